@@ -1,0 +1,12 @@
+from nemo_like.models.policy.interfaces import OptimizerConfig, PolicyConfig, PolicyInterface, SchedulerConfig
+
+__all__ = ["OptimizerConfig", "PolicyConfig", "PolicyInterface", "SchedulerConfig", "Policy"]
+
+
+def __getattr__(name):
+    # Policy pulls in Ray; keep `import nemo_like.models.policy` light for config validation.
+    if name == "Policy":
+        from nemo_like.models.policy.lm_policy import Policy
+
+        return Policy
+    raise AttributeError(name)

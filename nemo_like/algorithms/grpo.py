@@ -1,0 +1,301 @@
+"""GRPO, top to bottom: `setup(config)` builds everything, `GRPOTrainer.step()` is one GRPO step,
+`grpo_train(trainer)` is the CLI's loop over it (a notebook drives `step()` itself).
+
+One step: sample prompts -> G completions each -> grade in the task's environment actor ->
+group-relative advantages -> previous/reference log-probs -> clipped policy-gradient update.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config import MasterConfig
+from nemo_like.data.collate import rl_collate_fn
+from nemo_like.data.sampler import EpochSampler
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.experience.rollouts import flatten_message_logs, run_single_turn_rollout
+from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.logger import Logger
+from nemo_like.utils.timer import Timer
+
+
+@dataclass
+class GRPOTrainer:
+    """Long-lived state of a GRPO run. Build it with `setup(config)`."""
+
+    config: MasterConfig
+    policy: Any
+    tokenizer: Any
+    train_dataset: Any
+    val_dataset: Any
+    envs: dict[str, Any]
+    logger: Logger
+    checkpointer: CheckpointManager | None
+    sampler: EpochSampler
+    loss_fn: ClippedPGLossFn
+    step_count: int = 0
+    last_val_metrics: dict[str, float] = field(default_factory=dict)
+    last_batch: BatchedDataDict | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    _resources: list[Any] = field(default_factory=list)  # shut down in close(), in reverse order
+
+    # ---- one GRPO step --------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        cfg, timer = self.config, Timer()
+        G = cfg.grpo.num_generations_per_prompt
+        with timer.time("total"):
+            # 1. Prompts, each repeated G times; samples of one prompt share a group id.
+            with timer.time("data"):
+                idx = self.sampler.next_indices(cfg.grpo.num_prompts_per_step)
+                prompts = rl_collate_fn([self.train_dataset[i] for i in idx])
+                batch = prompts.repeat_interleave(G)
+                group_ids = torch.arange(len(idx)).repeat_interleave(G)
+
+            # 2. Generate and grade.
+            with timer.time("generation_and_reward"):
+                batch, rollout_metrics = run_single_turn_rollout(self.policy, batch, self.tokenizer, self.envs)
+            rewards = batch["total_reward"]
+
+            # 3. Advantages: group-relative, computed on the driver (cheap, [N]).
+            estimator = get_advantage_estimator(cfg.grpo.advantage_estimator)
+            advantages = estimator(rewards, group_ids, leave_one_out=cfg.grpo.use_leave_one_out_baseline,
+                                   std_scale=cfg.grpo.std_scale)
+
+            # 4. Training data: one flat row per sample; only assistant tokens carry loss.
+            train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)
+            train_data["advantages"] = advantages.float()
+            train_data["sample_mask"] = batch["loss_multiplier"].float()
+            with timer.time("logprobs"):
+                train_data["prev_logprobs"] = self.policy.get_logprobs(train_data)["logprobs"]
+                if cfg.loss_fn.reference_policy_kl_penalty > 0:
+                    train_data["reference_policy_logprobs"] = self.policy.get_reference_policy_logprobs(
+                        train_data)["reference_logprobs"]
+                else:  # KL term is off: skip a forward pass
+                    train_data["reference_policy_logprobs"] = train_data["prev_logprobs"]
+
+            # 5. Policy update.
+            with timer.time("train"):
+                self.policy.prepare_for_training()
+                train_metrics = self.policy.train(train_data, self.loss_fn)
+                self.policy.finish_training()
+
+        self.step_count += 1
+        batch["advantages"] = advantages
+        self.last_batch = batch
+        grouped = rewards.view(-1, G)
+        metrics = {
+            "train/reward_mean": float(rewards.mean()),
+            "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            # "advantage collapse": groups whose rewards are all equal give no gradient.
+            "train/zero_std_group_frac": float((grouped.std(dim=1) == 0).float().mean()),
+            "train/advantage_abs_mean": float(advantages.abs().mean()),
+            "train/num_samples": float(rewards.numel()),
+            "train/epoch": float(self.sampler.epoch),
+        }
+        metrics |= {f"train/{k}": v for k, v in rollout_metrics.items()}
+        metrics |= {f"train/{k}": v for k, v in train_metrics.items()}
+        metrics |= {f"timing/{k}": v for k, v in timer.get_timing_metrics().items()}
+
+        if cfg.grpo.val_period and self.step_count % cfg.grpo.val_period == 0:
+            metrics |= self.validate()
+        self.logger.log_metrics(metrics, step=self.step_count)
+        self.history.append({"step": self.step_count} | metrics)
+        if self.checkpointer and self.step_count % cfg.checkpointing.save_period == 0:
+            self.save_checkpoint(metrics)
+        return metrics
+
+    # ---- validation ------------------------------------------------------------------------------
+    def validate(self, log: bool = False) -> dict[str, float]:
+        """Greedy accuracy on the held-out set (reward 1.0 = correct for the math environment)."""
+        if self.val_dataset is None:
+            return {}
+        n = min(len(self.val_dataset), self.config.grpo.max_val_samples)
+        t0 = time.perf_counter()
+        batch = rl_collate_fn([self.val_dataset[i] for i in range(n)])
+        batch, m = run_single_turn_rollout(self.policy, batch, self.tokenizer, self.envs, greedy=True)
+        rewards = batch["total_reward"]
+        out = {"val/accuracy": float((rewards >= 1.0).float().mean()), "val/reward_mean": float(rewards.mean()),
+               "val/response_length_mean": m["response_length_mean"], "val/truncation_rate": m["truncation_rate"],
+               "val/num_samples": float(n), "timing/validation": time.perf_counter() - t0}
+        self.last_val_metrics = out
+        if log:
+            self.logger.log_metrics(out, step=self.step_count)
+            self.history.append({"step": self.step_count} | out)
+        return out
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
+        if self.checkpointer is None:
+            return None
+        info = {"step": self.step_count, "metrics": {**self.last_val_metrics, **(metrics or {})}}
+        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
+        self.policy.save_checkpoint(str(tmp / "policy"))
+        torch.save({"step": self.step_count, "sampler": self.sampler.state_dict(),
+                    "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
+                    "torch_rng": torch.get_rng_state(), "last_val_metrics": self.last_val_metrics},
+                   tmp / "train_state.pt")
+        return self.checkpointer.finalize_checkpoint(tmp)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        path = Path(path)
+        self.policy.load_checkpoint(str(path / "policy"))
+        state = torch.load(path / "train_state.pt", weights_only=False)
+        self.step_count = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.last_val_metrics = state.get("last_val_metrics", {})
+
+    def close(self) -> None:
+        self.logger.close()
+        while self._resources:
+            res = self._resources.pop()
+            try:
+                res()
+            except Exception as e:  # closing must free everything it can
+                print(f"[nemo_like] while closing: {e!r}")
+
+
+def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[str, float]]:
+    """The CLI loop: validation at start, `step()` until max_num_steps, validation at the end."""
+    cfg = trainer.config.grpo
+    total = cfg.max_num_steps if max_steps is None else trainer.step_count + max_steps
+    start = trainer.step_count
+    if cfg.val_at_start and start == 0:
+        trainer.validate(log=True)
+        base = trainer.last_val_metrics.get("val/accuracy")
+        if base is not None:
+            tqdm.write(f"step 0: val/accuracy = {base:.3f} (base model)")
+    results = []
+    bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True)
+    while trainer.step_count < total:
+        m = trainer.step()
+        results.append(m)
+        bar.update(1)
+        bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}", loss=f"{m.get('train/loss', float('nan')):.4f}")
+    bar.close()
+    if cfg.val_at_end and not (cfg.val_period and trainer.step_count % cfg.val_period == 0) and results:
+        trainer.validate(log=True)
+    if trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period:
+        trainer.save_checkpoint(results[-1])
+    return results
+
+
+def accuracy_summary(trainer: GRPOTrainer) -> str:
+    vals = [(h["step"], h["val/accuracy"]) for h in trainer.history if "val/accuracy" in h]
+    if not vals:
+        return "no validation was run"
+    (s0, a0), (s1, a1) = vals[0], vals[-1]
+    return (f"held-out greedy accuracy: {a0:.1%} at step {s0} -> {a1:.1%} at step {s1} "
+            f"({(a1 - a0) * 100:+.1f} points)")
+
+
+def dump_config(config: MasterConfig) -> dict:
+    return json.loads(config.model_dump_json())
+
+
+# ---- setup ------------------------------------------------------------------------------------
+def build_task_dataset(ds_cfg, rows, tokenizer, max_seq_length: int):
+    """Rows of a dataset config -> DatumSpecs through the task's processor."""
+    from nemo_like.data.interfaces import TaskDataSpec
+    from nemo_like.data.processors import AllTaskProcessedDataset, math_data_processor
+
+    spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
+    return AllTaskProcessedDataset(rows, tokenizer, spec, {ds_cfg.task_name: (spec, math_data_processor)},
+                                   max_seq_length=max_seq_length)
+
+
+def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
+    """Start (or join) Ray, build the base model if needed, datasets, environment actors, the policy
+    workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from nemo_like.data.datasets import load_dataset_from_config
+
+    from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
+    from nemo_like.environments.registry import create_env_actor
+    from nemo_like.models.policy.lm_policy import Policy
+    from nemo_like.utils.logger import read_metrics_jsonl
+
+    cfg = config.model_copy(deep=True)
+    random.seed(cfg.grpo.seed)
+    np.random.seed(cfg.grpo.seed)
+    torch.manual_seed(cfg.grpo.seed)
+    resources: list[Any] = []
+    # Data files are read before Ray starts, so a malformed file fails in a second.
+    train_rows = load_dataset_from_config(cfg.data.train)
+    val_rows = load_dataset_from_config(cfg.data.validation) if cfg.data.validation else None
+
+    def free() -> None:
+        while resources:
+            try:
+                resources.pop()()
+            except Exception as e:
+                print(f"[nemo_like] cleanup: {e!r}")
+
+    try:
+        if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
+            resources.append(ray.shutdown)
+        cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
+                                    gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
+        resources.append(cluster.shutdown)
+        if cfg.bootstrap is not None and cfg.bootstrap.enabled:
+            from nemo_like.models.bootstrap import ensure_base_model
+
+            path = ensure_base_model(cfg, cluster)
+            cfg.policy.model_name, cfg.policy.tokenizer_name = path, path
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.policy.tokenizer_name or cfg.policy.model_name,
+                                                  trust_remote_code=cfg.policy.trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        max_in = cfg.data.max_input_seq_length
+        train_ds = build_task_dataset(cfg.data.train, train_rows, tokenizer, max_in)
+        val_ds = build_task_dataset(cfg.data.validation, val_rows, tokenizer, max_in) if val_rows else None
+
+        envs: dict[str, Any] = {}
+        for ds_cfg in [cfg.data.train] + ([cfg.data.validation] if cfg.data.validation else []):
+            if ds_cfg.task_name not in envs:
+                actor = create_env_actor(ds_cfg.env_name, cfg.env.get(ds_cfg.env_name, {}))
+                envs[ds_cfg.task_name] = actor
+                resources.append(lambda a=actor: ray.kill(a, no_restart=True))
+
+        policy = Policy(cluster, cfg.policy, seed=cfg.grpo.seed,
+                        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
+        resources.append(policy.shutdown)
+        logger = Logger(cfg.logger)
+        resources.append(logger.close)
+        logger.log_hyperparams(cfg)
+        ckpt = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
+    except BaseException:
+        free()
+        raise
+
+    trainer = GRPOTrainer(config=cfg, policy=policy, tokenizer=tokenizer, train_dataset=train_ds,
+                          val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
+                          sampler=EpochSampler(len(train_ds), seed=cfg.grpo.seed),
+                          loss_fn=ClippedPGLossFn(cfg.loss_fn), _resources=resources)
+    latest = ckpt.get_latest_checkpoint_path() if (ckpt and resume) else None
+    if latest is not None:
+        trainer.load_checkpoint(latest)
+        try:
+            rows = read_metrics_jsonl(Path(cfg.logger.log_dir) / "metrics.jsonl")
+        except (FileNotFoundError, ValueError):
+            rows = []
+        # Keep history up to the checkpoint: later rows were logged by the crashed run.
+        trainer.history = [r for r in rows if r.get("step", 0) <= trainer.step_count]
+        print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")
+    return trainer

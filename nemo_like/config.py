@@ -1,0 +1,260 @@
+"""Typed experiment config: YAML files with `defaults:` inheritance and Hydra-style overrides.
+
+Everything is validated here, before Ray starts, so a typo costs a second and not a cluster start.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossConfig
+from nemo_like.data.datasets import DatasetConfig
+from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.utils.checkpoint import CheckpointingConfig
+from nemo_like.utils.logger import LoggerConfig
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value. The CLI prints it on one line and exits with code 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GRPOConfig(_Strict):
+    num_prompts_per_step: int = Field(16, gt=0)
+    num_generations_per_prompt: int = Field(8, gt=1)
+    max_num_steps: int = Field(100, ge=0)
+    max_num_epochs: int = Field(1000, gt=0)
+    max_rollout_turns: int = Field(1, gt=0)
+    use_leave_one_out_baseline: bool = True
+    std_scale: Literal["group", "batch"] | None = "group"
+    advantage_estimator: str = "grpo"
+    val_period: int = Field(10, ge=0)  # 0: validate only at start and end
+    val_at_start: bool = True
+    val_at_end: bool = True
+    max_val_samples: int = Field(256, gt=0)
+    seed: int = 42
+
+
+class ClusterConfig(_Strict):
+    num_workers: int = Field(1, gt=0)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    # Local cluster size when we start Ray ourselves; None lets Ray count the machine's CPUs.
+    num_cpus: int | None = None
+    address: str | None = None  # else $RAY_ADDRESS, else a new local cluster
+
+
+class ModelBuildConfig(_Strict):
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int | None = None
+    max_position_embeddings: int = 256
+
+
+class SFTBootstrapConfig(_Strict):
+    num_steps: int = Field(60, ge=0)
+    batch_size: int = Field(64, gt=0)
+    micro_batch_size: int = Field(64, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = 5
+
+
+class BootstrapConfig(_Strict):
+    """Builds the embedded default base model: a tiny char-level Llama taught the answer format by a
+    short supervised run. Cached under cache_dir keyed by this section, so it is built once."""
+
+    enabled: bool = True
+    cache_dir: str = Field(default_factory=lambda: os.environ.get(
+        "NEMO_LIKE_CACHE", str(Path.home() / ".cache" / "nemo_like")))
+    seed: int = 0
+    model: ModelBuildConfig = ModelBuildConfig()
+    sft: SFTBootstrapConfig = SFTBootstrapConfig()
+    data: DatasetConfig | None = None
+
+
+class DataConfig(_Strict):
+    max_input_seq_length: int = Field(64, gt=0)
+    train: DatasetConfig
+    validation: DatasetConfig | None = None
+
+
+class MasterConfig(_Strict):
+    grpo: GRPOConfig = GRPOConfig()
+    loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
+    policy: PolicyConfig
+    data: DataConfig
+    env: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"math": {}})
+    logger: LoggerConfig = LoggerConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    bootstrap: BootstrapConfig | None = None
+
+    @model_validator(mode="after")
+    def _consistent_batches(self) -> "MasterConfig":
+        g, p = self.grpo, self.policy
+        per_step = g.num_prompts_per_step * g.num_generations_per_prompt
+        gbs = p.train_global_batch_size
+        if gbs % g.num_generations_per_prompt:
+            raise ValueError(
+                f"policy.train_global_batch_size ({gbs}) is not divisible by grpo.num_generations_per_prompt "
+                f"({g.num_generations_per_prompt}): a global batch must hold whole groups")
+        if per_step % gbs:
+            raise ValueError(
+                f"grpo.num_prompts_per_step ({g.num_prompts_per_step}) x grpo.num_generations_per_prompt "
+                f"({g.num_generations_per_prompt}) = {per_step} completions per step is not a multiple of "
+                f"policy.train_global_batch_size ({gbs})")
+        if gbs % self.cluster.num_workers:
+            raise ValueError(f"policy.train_global_batch_size ({gbs}) is not divisible by "
+                             f"cluster.num_workers ({self.cluster.num_workers})")
+        if self.data.max_input_seq_length >= p.max_total_sequence_length:
+            raise ValueError(
+                f"data.max_input_seq_length ({self.data.max_input_seq_length}) leaves no room to generate within "
+                f"policy.max_total_sequence_length ({p.max_total_sequence_length})")
+        if self.checkpointing.enabled and self.checkpointing.metric_name and self.checkpointing.metric_name.startswith(
+                "val/") and self.grpo.val_period and self.checkpointing.save_period % self.grpo.val_period:
+            # Top-k by a validation metric needs that metric at each save.
+            raise ValueError(
+                f"checkpointing.save_period ({self.checkpointing.save_period}) must be a multiple of "
+                f"grpo.val_period ({self.grpo.val_period}) to rank checkpoints by "
+                f"{self.checkpointing.metric_name}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml_with_defaults(path: str | Path, _seen: tuple = ()) -> dict:
+    """`defaults: other.yaml` (or a list) names files, relative to this one, that this file overrides."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: `defaults` cycle through {' -> '.join(map(str, _seen))}")
+    data = _read_yaml(path)
+    defaults = data.pop("defaults", None) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    merged: dict = {}
+    for d in defaults:
+        merged = _deep_merge(merged, load_yaml_with_defaults(path.parent / d, _seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def _schema_has(model: type[BaseModel] | None, keys: list[str]) -> bool:
+    for k in keys:
+        if model is None or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return False
+        field = model.model_fields.get(k)
+        if field is None:
+            return False
+        ann = field.annotation
+        sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = sub[0] if sub else None
+        if model is None and getattr(ann, "__origin__", None) is dict:
+            return True  # free-form mapping (e.g. env.<name>.<option>)
+    return True
+
+
+def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
+    """`a.b=value` sets a key that the YAML or the schema knows; `++a.b=value` may add any key.
+    Values are parsed as YAML (`3` int, `true` bool, `null` None, `[1,2]` list)."""
+    for ov in overrides:
+        force = ov.startswith("++")
+        body = ov[2:] if force else ov
+        if "=" not in body:
+            raise ConfigError(f"override {ov!r}: expected key=value")
+        key, raw = body.split("=", 1)
+        parts = key.strip().split(".")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = cfg
+        for i, k in enumerate(parts[:-1]):
+            if not isinstance(node.get(k), dict):
+                if k in node and node[k] is not None and not force:
+                    raise ConfigError(f"override {ov!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+                node[k] = {}
+            node = node[k]
+        present = parts[-1] in node
+        if not (present or force or _schema_has(MasterConfig, parts)):
+            close = difflib.get_close_matches(parts[-1], list(node), n=1)
+            hint = f" (did you mean {'.'.join(parts[:-1] + close)}?)" if close else ""
+            raise ConfigError(f"override {ov!r}: unknown config key {key!r}{hint}; use ++{key}=... to add it")
+        node[parts[-1]] = value
+    return cfg
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown config key"
+        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+            msg += f" (got {err['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def validate_config(cfg: dict) -> MasterConfig:
+    try:
+        return MasterConfig.model_validate(cfg)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_format_validation_error(e)}") from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterConfig:
+    return validate_config(apply_overrides(load_yaml_with_defaults(path), list(overrides or [])))
+
+
+def parse_cli(argv: list[str], default_config: str | Path) -> tuple[str, list[str]]:
+    """`[--config PATH] [key=value ...]` -> (config path, overrides)."""
+    path, overrides, i = str(default_config), [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a path")
+            path, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif a in ("-h", "--help"):
+            raise SystemExit(f"usage: [--config PATH] [key=value | ++key=value ...]  (default: {default_config})")
+        elif "=" in a:
+            overrides.append(a)
+        else:
+            raise ConfigError(f"unexpected argument {a!r}: expected --config PATH or key=value")
+        i += 1
+    return path, overrides

@@ -1,0 +1,340 @@
+"""Math datasets: a procedural arithmetic generator and loading of user files / hub datasets.
+
+Every dataset comes out as a ``datasets.Dataset`` with at least the columns ``problem``,
+``expected_answer`` (strings) and ``task_name``, whatever its source, so the rest of the pipeline never
+cares where the data came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OPERATORS = ("+", "-", "*")
+VALIDATION_PERCENT = 10  # share of the problem space held out for the validation split
+# Enumerate the whole problem space when it is at most this big: exact feasibility checks and no
+# rejection-sampling stalls when a request asks for nearly all problems of a small space.
+_ENUMERATION_LIMIT = 200_000
+
+
+class DataError(ValueError):
+    """A data file or dataset is missing or malformed; the message names the file (and line when known)."""
+
+
+class ArithmeticConfig(BaseModel):
+    """Procedurally generated problems ``"<a><op><b>="`` with integer answers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    split: Literal["train", "validation"]
+    num_samples: int = Field(gt=0)
+    seed: int
+    min_value: int = Field(default=0, ge=0)
+    max_value: int = Field(default=999, ge=0)
+    ops: list[str] = Field(default_factory=lambda: ["+"])
+
+    @field_validator("ops")
+    @classmethod
+    def _check_ops(cls, ops: list[str]) -> list[str]:
+        if not ops:
+            raise ValueError(f"ops must not be empty (choose from {list(OPERATORS)})")
+        bad = [op for op in ops if op not in OPERATORS]
+        if bad:
+            raise ValueError(f"unsupported ops {bad} (choose from {list(OPERATORS)})")
+        return list(dict.fromkeys(ops))
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ArithmeticConfig:
+        if self.min_value > self.max_value:
+            raise ValueError(f"min_value ({self.min_value}) must be <= max_value ({self.max_value})")
+        return self
+
+
+def arithmetic_split_of(problem: str) -> Literal["train", "validation"]:
+    """The split a problem text belongs to, stable across processes and Python versions.
+
+    hashlib rather than ``hash()``: Python's string hash is salted per process, which would reshuffle the
+    held-out set on every run and leak validation problems into training.
+    """
+    digest = hashlib.sha256(problem.encode("utf-8")).digest()
+    bucket = int.from_bytes(digest[:8], "big") % 100
+    return "validation" if bucket < VALIDATION_PERCENT else "train"
+
+
+def _answer(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+def generate_arithmetic_dataset(cfg: ArithmeticConfig) -> datasets.Dataset:
+    """``num_samples`` distinct problems of ``cfg.split``, deterministic by ``cfg.seed``.
+
+    Columns: ``problem`` (e.g. ``"123+456="``) and ``expected_answer`` (e.g. ``"579"``).
+    Raises DataError when the split has fewer distinct problems than requested.
+    """
+    rng = random.Random(f"nemo_like-arithmetic-{cfg.seed}")
+    n_values = cfg.max_value - cfg.min_value + 1
+    space = n_values * n_values * len(cfg.ops)
+    chosen: list[tuple[int, str, int]]
+    if space <= _ENUMERATION_LIMIT:
+        pool = [
+            (a, op, b)
+            for op in cfg.ops
+            for a in range(cfg.min_value, cfg.max_value + 1)
+            for b in range(cfg.min_value, cfg.max_value + 1)
+            if arithmetic_split_of(f"{a}{op}{b}=") == cfg.split
+        ]
+        if len(pool) < cfg.num_samples:
+            raise DataError(_too_few_message(cfg, space, len(pool)))
+        chosen = rng.sample(pool, cfg.num_samples)
+    else:
+        chosen = []
+        seen: set[str] = set()
+        # Generous budget: even at half the split's size, a draw is accepted about 40% of the time.
+        max_draws = 50 * cfg.num_samples + 10_000
+        for _ in range(max_draws):
+            a = rng.randint(cfg.min_value, cfg.max_value)
+            b = rng.randint(cfg.min_value, cfg.max_value)
+            op = rng.choice(cfg.ops)
+            text = f"{a}{op}{b}="
+            if text in seen or arithmetic_split_of(text) != cfg.split:
+                continue
+            seen.add(text)
+            chosen.append((a, op, b))
+            if len(chosen) == cfg.num_samples:
+                break
+        else:
+            raise DataError(_too_few_message(cfg, space, None))
+    return datasets.Dataset.from_dict(
+        {
+            "problem": [f"{a}{op}{b}=" for a, op, b in chosen],
+            "expected_answer": [str(_answer(a, op, b)) for a, op, b in chosen],
+        }
+    )
+
+
+def _too_few_message(cfg: ArithmeticConfig, space: int, available: int | None) -> str:
+    share = VALIDATION_PERCENT if cfg.split == "validation" else 100 - VALIDATION_PERCENT
+    have = (
+        f"only {available} distinct problems fall in that split"
+        if available is not None
+        else f"the split holds about {space * share // 100}"
+    )
+    return (
+        f"arithmetic generator: cannot make {cfg.num_samples} distinct '{cfg.split}' problems from values "
+        f"{cfg.min_value}..{cfg.max_value} and ops {cfg.ops} ({space} problems in all; {have}); "
+        "lower num_samples or widen the value range"
+    )
+
+
+class DatasetConfig(BaseModel):
+    """Where a dataset comes from: a local file or hub dataset (``path``) or the arithmetic ``generator``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None  # local .jsonl/.json/.parquet/.csv, or "hf:<name>"
+    split: str = "train"  # hub split; ignored for local files and the generator
+    generator: ArithmeticConfig | None = None
+    num_samples: int | None = Field(default=None, gt=0)  # keep at most this many rows (the first ones)
+    problem_key: str = "problem"
+    answer_key: str = "expected_answer"
+    task_name: str = "math"
+    env_name: str = "math"
+    prompt: str | None = None  # format string with exactly one "{}"
+    system_prompt: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | None) -> str | None:
+        if prompt is None:
+            return None
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(prompt) if f is not None]
+        except ValueError as e:
+            raise ValueError(f"prompt is not a valid format string ({e}): {prompt!r}") from e
+        if fields != [""]:
+            raise ValueError(
+                f"prompt must contain exactly one '{{}}' placeholder for the problem (write '{{{{' / '}}}}' "
+                f"for literal braces), got {prompt!r}"
+            )
+        return prompt
+
+    @model_validator(mode="after")
+    def _check_source(self) -> DatasetConfig:
+        if (self.path is None) == (self.generator is None):
+            raise ValueError("set exactly one of 'path' and 'generator'")
+        if self.path is not None and not self.path.strip():
+            raise ValueError("path must not be empty")
+        return self
+
+
+_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_dataset_from_config(cfg: DatasetConfig) -> datasets.Dataset:
+    """Load the dataset ``cfg`` describes, with columns ``problem``, ``expected_answer`` and ``task_name``.
+
+    Columns named ``cfg.problem_key``/``cfg.answer_key`` are renamed to ``problem``/``expected_answer``
+    (both cast to strings); other columns are kept (e.g. ``response`` for SFT). ``task_name`` is set to
+    ``cfg.task_name`` on every row. Raises DataError naming the file (and line) when the data is bad.
+    """
+    if cfg.generator is not None:
+        ds = generate_arithmetic_dataset(cfg.generator)
+        source = f"arithmetic generator (split={cfg.generator.split}, seed={cfg.generator.seed})"
+    else:
+        assert cfg.path is not None
+        if cfg.path.startswith("hf:"):
+            ds = _load_hub(cfg.path[3:], cfg.split)
+        else:
+            ds = _load_local(cfg.path)
+        source = cfg.path
+    ds = _normalise_columns(ds, cfg, source)
+    if cfg.num_samples is not None and len(ds) > cfg.num_samples:
+        ds = ds.select(range(cfg.num_samples))
+    return ds
+
+
+def _load_hub(name: str, split: str) -> datasets.Dataset:
+    if not name:
+        raise DataError("hf:: missing dataset name after 'hf:'")
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, auth, unknown name/split: all reported the same way
+        raise DataError(f"hf:{name}: could not load split '{split}' ({type(e).__name__}: {e})") from e
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(f"hf:{name}: split '{split}' did not give a single dataset (got {type(ds).__name__})")
+    return ds
+
+
+def _load_local(path: str) -> datasets.Dataset:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{path}: file not found" if not p.exists() else f"{path}: not a regular file")
+    fmt = _LOCAL_FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise DataError(
+            f"{path}: unsupported file type '{p.suffix}' (expected one of {sorted(_LOCAL_FORMATS)})"
+        )
+    if p.suffix.lower() == ".jsonl":
+        _validate_jsonl(p)
+    elif p.suffix.lower() == ".json":
+        _validate_json(p)
+    try:
+        ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
+    except Exception as e:  # e.g. inconsistent column types; datasets' own message is kept
+        raise DataError(f"{path}: could not load as {fmt} ({type(e).__name__}: {e})") from e
+    if len(ds) == 0:
+        raise DataError(f"{path}: no rows")
+    return ds
+
+
+def _validate_jsonl(path: Path) -> None:
+    """Check each line ourselves: datasets' JSON errors do not give the offending line number."""
+    rows = 0
+    # newline="\n": count lines the way JSON Lines defines them (a stray "\r" is not a line break).
+    with path.open("r", encoding="utf-8", newline="\n") as f:
+        for lineno, line in enumerate(_lines(f, path), start=1):
+            if not line.strip():
+                continue
+            try:
+                # Parse without the line ending so error columns point into the line itself.
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows += 1
+    if rows == 0:
+        raise DataError(f"{path}: no rows")
+
+
+def _lines(f: Any, path: Path) -> Any:
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _validate_json(path: Path) -> None:
+    """A .json file may hold one JSON array of objects, or be JSON Lines under another name."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        first = text.lstrip().split("\n", 1)[0]
+        try:
+            looks_like_lines = isinstance(json.loads(first), dict)
+        except json.JSONDecodeError:
+            looks_like_lines = False
+        if looks_like_lines:
+            _validate_jsonl(path)
+            return
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(data, list):
+        for i, row in enumerate(data):
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: item {i} of the top-level array is a {type(row).__name__}, not an object")
+        if not data:
+            raise DataError(f"{path}: no rows")
+    elif not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
+
+
+def _normalise_columns(ds: datasets.Dataset, cfg: DatasetConfig, source: str) -> datasets.Dataset:
+    present = list(ds.column_names)
+    for key, role, target in (
+        (cfg.problem_key, "problem_key", "problem"),
+        (cfg.answer_key, "answer_key", "expected_answer"),
+    ):
+        if key not in present:
+            raise DataError(f"{source}: missing column '{key}' ({role}); columns present: {present}")
+        if key != target and target in present:
+            raise DataError(
+                f"{source}: cannot rename column '{key}' ({role}) to '{target}': a '{target}' column "
+                f"already exists; columns present: {present}"
+            )
+    renames = {k: t for k, t in ((cfg.problem_key, "problem"), (cfg.answer_key, "expected_answer")) if k != t}
+    if renames:
+        ds = ds.rename_columns(renames)
+    for column in ("problem", "expected_answer"):
+        if ds.features[column] != datasets.Value("string"):
+            try:
+                ds = ds.cast_column(column, datasets.Value("string"))
+            except Exception as e:
+                raise DataError(
+                    f"{source}: column '{column}' cannot be read as text ({type(e).__name__}: {e})"
+                ) from e
+    nulls = [i for i, (p, a) in enumerate(zip(ds["problem"], ds["expected_answer"])) if p is None or a is None]
+    if nulls:
+        raise DataError(
+            f"{source}: {len(nulls)} row(s) lack a problem or an answer (first at row {nulls[0]})"
+        )
+    if "task_name" in ds.column_names:
+        ds = ds.remove_columns("task_name")
+    return ds.add_column("task_name", [cfg.task_name] * len(ds))
+
+
+def write_jsonl(dataset: datasets.Dataset | list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write rows as JSON Lines (parent folders created); returns the path. Written atomically."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in dataset:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,233 @@
+"""Turn dataset rows into DatumSpecs: chat-template rendering, tokenization, truncation, task routing.
+
+Each message's ``content`` is the *rendered* chat-template text of that message (NeMo RL convention) and
+its ``token_ids`` the tokens of that text, so concatenating the message log reproduces the model input.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import Dataset
+
+from nemo_like.data.interfaces import DatumSpec, LLMMessageLogType, TaskDataSpec
+
+
+class DataProcessor(Protocol):
+    def __call__(
+        self,
+        datum: dict[str, Any],
+        task_data_spec: TaskDataSpec,
+        tokenizer: Any,
+        max_seq_length: int,
+        idx: int,
+    ) -> DatumSpec: ...
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no chat template; set tokenizer.chat_template "
+            "(e.g. nemo_like.data.chat_templates.CHATML_TEMPLATE)"
+        )
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+    return text
+
+
+def _tokenize(tokenizer: Any, text: str) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _field(datum: Mapping[str, Any], key: str, idx: int) -> Any:
+    if key not in datum:
+        raise KeyError(f"row {idx} has no '{key}' column (columns: {sorted(datum)})")
+    return datum[key]
+
+
+def _prompt_chat(datum: Mapping[str, Any], spec: TaskDataSpec, idx: int) -> list[dict[str, str]]:
+    problem = str(_field(datum, "problem", idx))
+    chat: list[dict[str, str]] = []
+    if spec.system_prompt:
+        chat.append({"role": "system", "content": spec.system_prompt})
+    chat.append({"role": "user", "content": spec.prompt.format(problem) if spec.prompt else problem})
+    return chat
+
+
+def _prompt_message_log(tokenizer: Any, chat: list[dict[str, str]]) -> tuple[LLMMessageLogType, str]:
+    """Message log of the prompt (ending in the generation prompt) and its full rendered text.
+
+    The conversation is rendered once as a whole and then cut at message boundaries (rather than rendering
+    each message alone) so templates that inject a default system prompt when none is given (Qwen) still
+    produce exactly what ``apply_chat_template(chat, add_generation_prompt=True)`` gives.
+    """
+    full = _render(tokenizer, chat, add_generation_prompt=True)
+    pieces: list[tuple[str, str]] = []
+    if chat[0]["role"] == "system":
+        prefix = _render(tokenizer, chat[:1], add_generation_prompt=False)
+        if prefix and full.startswith(prefix):
+            pieces = [("system", prefix), ("user", full[len(prefix) :])]
+    if not pieces:  # no system prompt, or a template whose pieces do not concatenate: one user message
+        pieces = [("user", full)]
+    log = [{"role": role, "content": text, "token_ids": _tokenize(tokenizer, text)} for role, text in pieces]
+    return log, full
+
+
+def _truncate(message_log: LLMMessageLogType, max_seq_length: int) -> tuple[int, float]:
+    """Cut the log to its first ``max_seq_length`` tokens in place; returns (length, loss_multiplier).
+
+    A sample that had to be cut carries no loss: its prompt (or target) is incomplete, so training on it
+    would teach the model from a corrupted context. ``content`` is left as rendered (BPE token cuts need not
+    fall on character boundaries); ``token_ids`` is what the model sees.
+    """
+    if max_seq_length <= 0:
+        raise ValueError(f"max_seq_length must be positive, got {max_seq_length}")
+    total = sum(int(m["token_ids"].numel()) for m in message_log)
+    if total <= max_seq_length:
+        return total, 1.0
+    budget = max_seq_length
+    for message in message_log:
+        keep = min(budget, int(message["token_ids"].numel()))
+        message["token_ids"] = message["token_ids"][:keep]
+        budget -= keep
+    return max_seq_length, 0.0
+
+
+def math_data_processor(
+    datum: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """A math row (``problem``, ``expected_answer``) → prompt-only DatumSpec for RL.
+
+    The prompt is the optional system prompt plus the user turn ``task_data_spec.prompt.format(problem)``
+    (or the raw problem), ending in the assistant generation prompt. The answer goes to the environment
+    only, as ``extra_env_info["ground_truth"]``.
+    """
+    chat = _prompt_chat(datum, task_data_spec, idx)
+    message_log, _ = _prompt_message_log(tokenizer, chat)
+    length, loss_multiplier = _truncate(message_log, max_seq_length)
+    return DatumSpec(
+        message_log=message_log,
+        length=length,
+        extra_env_info={"ground_truth": str(_field(datum, "expected_answer", idx))},
+        loss_multiplier=loss_multiplier,
+        idx=idx,
+        task_name=task_data_spec.task_name,
+        stop_strings=None,
+    )
+
+
+def sft_data_processor(
+    datum: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+    *,
+    response_fn: Callable[[dict[str, Any]], str] | None = None,
+    response_key: str = "response",
+) -> DatumSpec:
+    """Like :func:`math_data_processor` plus the target assistant turn, for supervised fine-tuning.
+
+    The response is ``response_fn(datum)`` if given (bind it with ``functools.partial``), else the row's
+    ``response_key`` column. The assistant message holds the rendered assistant-turn tail (with ChatML:
+    ``{response}<|im_end|>\\n``) so an SFT loss can train on exactly the assistant tokens, end-of-turn
+    token included (the model must learn to stop).
+    """
+    chat = _prompt_chat(datum, task_data_spec, idx)
+    message_log, prompt_text = _prompt_message_log(tokenizer, chat)
+    response = response_fn(datum) if response_fn is not None else _field(datum, response_key, idx)
+    if not isinstance(response, str):
+        raise TypeError(f"row {idx}: the response must be a string, got {type(response).__name__}")
+    full = _render(tokenizer, chat + [{"role": "assistant", "content": response}], add_generation_prompt=False)
+    if not full.startswith(prompt_text):
+        raise ValueError(
+            "the chat template does not render a conversation as its prompt (with generation prompt) followed "
+            "by the assistant turn, so assistant tokens cannot be separated for the SFT loss"
+        )
+    tail = full[len(prompt_text) :]
+    message_log.append({"role": "assistant", "content": tail, "token_ids": _tokenize(tokenizer, tail)})
+    length, loss_multiplier = _truncate(message_log, max_seq_length)
+    extra = {"ground_truth": str(datum["expected_answer"])} if "expected_answer" in datum else {}
+    return DatumSpec(
+        message_log=message_log,
+        length=length,
+        extra_env_info=extra,
+        loss_multiplier=loss_multiplier,
+        idx=idx,
+        task_name=task_data_spec.task_name,
+        stop_strings=None,
+    )
+
+
+class AllTaskProcessedDataset(Dataset):
+    """A map-style dataset that turns row ``i`` into a DatumSpec with its task's processor.
+
+    ``task_data_processors`` is either one processor used for every row (with ``default_task_data_spec``),
+    or ``{task_name: (TaskDataSpec, processor)}``; rows are routed by their ``task_name`` column (rows
+    without one use ``default_task_data_spec.task_name``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        tokenizer: Any,
+        default_task_data_spec: TaskDataSpec,
+        task_data_processors: DataProcessor | dict[str, tuple[TaskDataSpec, DataProcessor]],
+        max_seq_length: int,
+    ) -> None:
+        if not isinstance(max_seq_length, int) or max_seq_length <= 0:
+            raise ValueError(f"max_seq_length must be a positive int, got {max_seq_length!r}")
+        if isinstance(task_data_processors, dict):
+            for name, entry in task_data_processors.items():
+                if not (
+                    isinstance(entry, tuple)
+                    and len(entry) == 2
+                    and isinstance(entry[0], TaskDataSpec)
+                    and callable(entry[1])
+                ):
+                    raise TypeError(
+                        f"task_data_processors['{name}'] must be a (TaskDataSpec, processor) tuple, got {entry!r}"
+                    )
+        elif not callable(task_data_processors):
+            raise TypeError(
+                "task_data_processors must be a processor or a dict {task_name: (TaskDataSpec, processor)}, "
+                f"got {type(task_data_processors).__name__}"
+            )
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.default_task_data_spec = default_task_data_spec
+        self.task_data_processors = task_data_processors
+        self.max_seq_length = max_seq_length
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _route(self, task_name: str) -> tuple[TaskDataSpec, DataProcessor]:
+        if not isinstance(self.task_data_processors, dict):
+            return self.default_task_data_spec, self.task_data_processors
+        if task_name not in self.task_data_processors:
+            raise KeyError(
+                f"no data processor for task '{task_name}'; known tasks: {sorted(self.task_data_processors)}"
+            )
+        return self.task_data_processors[task_name]
+
+    def __getitem__(self, i: int) -> DatumSpec:
+        i = operator.index(i)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for a dataset of {n} rows")
+        i %= n
+        row = dict(self.dataset[i])
+        spec, processor = self._route(row.get("task_name") or self.default_task_data_spec.task_name)
+        return processor(row, spec, self.tokenizer, self.max_seq_length, i)

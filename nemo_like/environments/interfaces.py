@@ -1,0 +1,51 @@
+"""The contract between the trainer and an environment (math grader, code sandbox, tool runner...).
+
+Environments are plain classes implementing :class:`EnvironmentInterface`; the registry
+(:mod:`nemo_like.environments.registry`) turns them into restartable Ray actors.
+
+This module deliberately imports neither torch nor ray at runtime: the math grader's worker
+processes import the environments package, and they must start in well under a second.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # annotations only; see the module docstring for why torch is not imported
+    import torch
+
+    from nemo_like.data.interfaces import LLMMessageLogType
+
+__all__ = ["EnvironmentReturn", "EnvironmentInterface"]
+
+
+class EnvironmentReturn(NamedTuple):
+    """What one ``EnvironmentInterface.step`` call returns for a batch of B samples."""
+
+    observations: list[dict[str, str]]  # per sample: {"role": "environment", "content": "..."}
+    metadata: list[dict | None]  # per sample, updated extra_env_info for the next turn
+    next_stop_strings: list[list[str] | None]  # per sample stop strings for the next turn
+    rewards: torch.Tensor  # [B] float32
+    terminateds: torch.Tensor  # [B] bool
+    # e.g. {"num_failures": 2.0, "num_timeouts": 1.0}. The default dict is shared between
+    # instances (NamedTuple defaults are evaluated once), so never mutate it in place.
+    metrics: dict[str, float] = {}
+
+
+class EnvironmentInterface(abc.ABC):
+    """One task's environment: grades (and for multi-turn tasks answers) the model's messages."""
+
+    @abc.abstractmethod
+    def step(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]
+    ) -> EnvironmentReturn:
+        """Consume each sample's message log (plus its hidden ``extra_env_info`` in ``metadata``)
+        and return observations, rewards and termination flags for the whole batch."""
+
+    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict]:
+        """Hook run once per step on the full batch (e.g. task-level metrics); identity by default."""
+        return batch, {}
+
+    def shutdown(self) -> None:
+        """Release resources (worker processes, sandboxes). Must be idempotent."""

@@ -1,0 +1,84 @@
+"""The embedded default base model: a tiny char-level Llama that has been taught, by a short
+supervised run, to answer arithmetic as `\\boxed{N}` — right often enough that GRPO has signal,
+wrong often enough that it has something to fix. Built once per config and cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config import MasterConfig
+
+# Bump when the recipe below changes so stale caches are not reused.
+_RECIPE_VERSION = 1
+
+
+def format_answer(answer: str) -> str:
+    return f"\\boxed{{{answer}}}"
+
+
+def bootstrap_cache_path(cfg: MasterConfig) -> Path:
+    b = cfg.bootstrap
+    assert b is not None
+    data_cfg = b.data or cfg.data.train
+    key = json.dumps({"v": _RECIPE_VERSION, "model": b.model.model_dump(), "sft": b.sft.model_dump(),
+                      "seed": b.seed, "data": data_cfg.model_dump(), "max_in": cfg.data.max_input_seq_length,
+                      "workers": cfg.cluster.num_workers}, sort_keys=True)
+    return Path(b.cache_dir).expanduser() / f"tiny-math-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def ensure_base_model(cfg: MasterConfig, cluster: Any) -> str:
+    """Return the folder of the bootstrapped base model, building it on `cluster` if not cached."""
+    out = bootstrap_cache_path(cfg)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return str(out)
+    from nemo_like.algorithms.sft import sft_train
+    from nemo_like.data.datasets import load_dataset_from_config
+    from nemo_like.data.interfaces import TaskDataSpec
+    from nemo_like.data.processors import AllTaskProcessedDataset, sft_data_processor
+    from nemo_like.models.policy.lm_policy import Policy
+    from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
+
+    b = cfg.bootstrap
+    assert b is not None
+    print(f"[nemo_like] building the tiny base model (once) into {out}")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = build_char_tokenizer(tmp)
+    build_tiny_llama(tok, hidden_size=b.model.hidden_size, num_layers=b.model.num_layers,
+                     num_heads=b.model.num_heads, intermediate_size=b.model.intermediate_size,
+                     max_position_embeddings=b.model.max_position_embeddings, seed=b.seed, save_dir=tmp)
+
+    data_cfg = b.data or cfg.data.train
+    rows = load_dataset_from_config(data_cfg)
+    rows = rows.map(lambda r: {"response": format_answer(r["expected_answer"])})
+    spec = TaskDataSpec(task_name=data_cfg.task_name, prompt=data_cfg.prompt, system_prompt=data_cfg.system_prompt)
+    dataset = AllTaskProcessedDataset(rows, tok, spec, sft_data_processor,
+                                      max_seq_length=cfg.policy.max_total_sequence_length)
+
+    s = b.sft
+    policy_cfg = cfg.policy.model_copy(update={
+        "model_name": str(tmp), "tokenizer_name": str(tmp), "train_global_batch_size": s.batch_size,
+        "train_micro_batch_size": min(s.micro_batch_size, s.batch_size),
+        "optimizer": cfg.policy.optimizer.model_copy(update={"lr": s.lr}),
+        "scheduler": cfg.policy.scheduler.model_copy(update={"warmup_steps": s.warmup_steps})})
+    policy = Policy(cluster, policy_cfg, seed=b.seed, init_reference_model=False, name_prefix="sft")
+    try:
+        sft_train(policy, dataset, num_steps=s.num_steps, batch_size=s.batch_size,
+                  micro_batch_size=policy_cfg.train_micro_batch_size, pad_id=tok.pad_token_id, seed=b.seed,
+                  desc="bootstrap SFT")
+        policy.save_checkpoint(str(tmp))
+    finally:
+        policy.shutdown()
+    # Optimizer and RNG state belong to the SFT run, not to the base model.
+    for f in list(tmp.glob("optimizer.pt")) + list(tmp.glob("rng_rank*.pt")):
+        f.unlink()
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished first; its model is equivalent (same seed and recipe)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

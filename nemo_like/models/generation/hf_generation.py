@@ -1,0 +1,127 @@
+"""HF `generate` run inside a policy worker on its shard of the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.generation.interfaces import GenerationConfig
+
+
+def right_to_left_padded(input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int):
+    """HF decoder-only generation needs prompts flush against the generated tokens."""
+    B, T = input_ids.shape
+    width = int(lengths.max()) if B else 0
+    left = torch.full((B, width), pad_id, dtype=input_ids.dtype)
+    mask = torch.zeros((B, width), dtype=torch.long)
+    for i in range(B):
+        n = int(lengths[i])
+        left[i, width - n :] = input_ids[i, :n]
+        mask[i, width - n :] = 1
+    return left, mask
+
+
+@torch.no_grad()
+def hf_generate(
+    model,
+    tokenizer,
+    data: BatchedDataDict,
+    cfg: GenerationConfig,
+    *,
+    greedy: bool,
+    max_total_length: int,
+    micro_batch_size: int,
+    synced: bool,
+    device: torch.device,
+) -> BatchedDataDict:
+    input_ids, lengths = data["input_ids"], data["input_lengths"]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_id = tokenizer.eos_token_id
+    max_new = min(cfg.max_new_tokens, max_total_length - int(lengths.max()))
+    if max_new <= 0:
+        raise ValueError(
+            f"prompt of {int(lengths.max())} tokens leaves no room to generate within "
+            f"policy.max_total_sequence_length={max_total_length}"
+        )
+    stop_strings = cfg.stop_strings
+    if "stop_strings" in data and any(s for s in data["stop_strings"]):
+        # HF applies one stop-string list to the whole batch; take the union of the samples' lists.
+        stop_strings = sorted({s for ss in data["stop_strings"] if ss for s in ss} | set(stop_strings or []))
+
+    results = []
+    B = input_ids.shape[0]
+    # Every rank must run the same number of generate calls (FSDP collectives inside forward).
+    for start in range(0, max(B, 1), micro_batch_size):
+        ids = input_ids[start : start + micro_batch_size]
+        lens = lengths[start : start + micro_batch_size]
+        left, attn = right_to_left_padded(ids, lens, pad_id)
+        kwargs = dict(
+            input_ids=left.to(device),
+            attention_mask=attn.to(device),
+            max_new_tokens=max_new,
+            do_sample=not greedy,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            synced_gpus=synced,
+            use_cache=True,
+        )
+        if not greedy:
+            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0)
+        if stop_strings:
+            kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
+        out = model.generate(**kwargs)
+        gen = out.sequences[:, left.shape[1] :].cpu()
+        # Log-probs of the sampled tokens under the distribution we sampled from (temperature
+        # applied), which is what the training side recomputes; top-p/top-k truncation is not.
+        logits = torch.stack(out.logits, dim=1).float().cpu()
+        if not greedy:
+            logits = logits / cfg.temperature
+        lp = torch.gather(logits.log_softmax(-1), 2, gen.unsqueeze(-1)).squeeze(-1)
+        results.append(_to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings))
+    return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": pad_id})
+
+
+def _to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings):
+    B, G = gen.shape
+    gen_lens = torch.full((B,), G, dtype=torch.long)
+    truncated = torch.ones(B, dtype=torch.bool)
+    for i in range(B):
+        hits = (gen[i] == eos_id).nonzero()
+        if len(hits):
+            gen_lens[i] = int(hits[0]) + 1
+            truncated[i] = False
+        elif stop_strings:
+            # HF stops at a stop string and pads the rest; the sample ended on purpose.
+            text_end = _stop_string_end(gen[i], pad_id, tokenizer, stop_strings)
+            if text_end is not None:
+                gen_lens[i] = text_end
+                truncated[i] = False
+    total = lens + gen_lens
+    width = int(total.max())
+    out_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    out_lp = torch.zeros((B, width), dtype=torch.float32)
+    for i in range(B):
+        n, g = int(lens[i]), int(gen_lens[i])
+        out_ids[i, :n] = ids[i, :n]
+        out_ids[i, n : n + g] = gen[i, :g]
+        out_lp[i, n : n + g] = lp[i, :g]
+    return BatchedDataDict(
+        output_ids=out_ids,
+        logprobs=out_lp,
+        generation_lengths=gen_lens,
+        unpadded_sequence_lengths=total,
+        truncated=truncated,
+    )
+
+
+def _stop_string_end(tokens, pad_id, tokenizer, stop_strings) -> int | None:
+    """Number of generated tokens up to and including the first stop string, if any."""
+    for k in range(1, len(tokens) + 1):
+        if int(tokens[k - 1]) == pad_id:
+            return None
+        text = tokenizer.decode(tokens[:k].tolist(), skip_special_tokens=False)
+        if any(text.endswith(s) for s in stop_strings):
+            return k
+    return None

@@ -1,0 +1,39 @@
+"""Generation backend contract, so vLLM can replace the in-worker HF backend without touching GRPO."""
+
+from __future__ import annotations
+
+import abc
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+
+
+class GenerationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # "hf": generate inside the training workers (colocated, same weights, no refit). "vllm" is
+    # reserved for GPU runs; selecting it today is a clear error rather than a silent fallback.
+    backend: Literal["hf", "vllm"] = "hf"
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, gt=0)
+    stop_strings: list[str] | None = None
+
+
+class GenerationInterface(abc.ABC):
+    """Input `data`: input_ids [B,T] right padded, input_lengths [B], optional stop_strings (list).
+    Output: output_ids [B,T'] (prompt followed by the generated tokens, right padded),
+    logprobs [B,T'] (log-prob of each generated token under the sampling distribution, 0 elsewhere),
+    generation_lengths [B], unpadded_sequence_lengths [B], truncated [B] (hit the token limit
+    without an end-of-sequence token)."""
+
+    @abc.abstractmethod
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict: ...
+
+    def prepare_for_generation(self) -> None:
+        return None
+
+    def finish_generation(self) -> None:
+        return None

@@ -1,0 +1,98 @@
+"""Contracts of the policy: its typed config and the interface the GRPO loop codes against."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.generation.interfaces import GenerationConfig
+
+
+class OptimizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+class SchedulerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Linear warmup to `optimizer.lr`, then constant: GRPO runs are short and decay hurts them.
+    warmup_steps: int = Field(0, ge=0)
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field(..., description="HF hub id or local folder (save_pretrained layout)")
+    tokenizer_name: str | None = None
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    # Samples per optimizer step, over all workers.
+    train_global_batch_size: int = Field(64, gt=0)
+    train_micro_batch_size: int = Field(16, gt=0)
+    logprob_batch_size: int = Field(32, gt=0)
+    generation_batch_size: int = Field(64, gt=0)
+    max_total_sequence_length: int = Field(128, gt=1)
+    max_grad_norm: float | None = 1.0
+    fsdp: bool = True
+    activation_checkpointing: bool = False
+    # Threads per worker for intra-op parallelism; None = the worker's CPU share from the cluster.
+    num_threads: int | None = None
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    generation: GenerationConfig = GenerationConfig()
+
+    @model_validator(mode="after")
+    def _micro_fits_global(self) -> "PolicyConfig":
+        if self.train_micro_batch_size > self.train_global_batch_size:
+            raise ValueError(
+                f"policy.train_micro_batch_size ({self.train_micro_batch_size}) is larger than "
+                f"policy.train_global_batch_size ({self.train_global_batch_size})"
+            )
+        return self
+
+
+class PolicyInterface(abc.ABC):
+    """What an RL algorithm needs from a trainable policy."""
+
+    @abc.abstractmethod
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """`data` has input_ids [B,T] (right padded) and input_lengths [B]; returns logprobs [B,T]
+        where logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) and logprobs[:, 0] = 0."""
+
+    @abc.abstractmethod
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """Same as get_logprobs under the frozen reference (initial) weights: key reference_logprobs."""
+
+    @abc.abstractmethod
+    def train(self, data: BatchedDataDict, loss_fn: Any) -> dict[str, float]:
+        """One pass over `data` in global batches of train_global_batch_size; returns metrics."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> None: ...
+
+    # Hooks for colocated GPU set-ups (free generation memory before training, etc.).
+    # On CPU with the in-worker HF generation backend there is nothing to move, so they do nothing.
+    def prepare_for_training(self) -> None:
+        return None
+
+    def finish_training(self) -> None:
+        return None
+
+    def offload_before_refit(self) -> None:
+        return None
+
+    def offload_after_refit(self) -> None:
+        return None
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...

@@ -1,0 +1,89 @@
+"""`Policy`: the driver-side facade over a RayWorkerGroup of HF training workers."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.distributed.worker_group import RayWorkerGroup
+from nemo_like.models.generation.interfaces import GenerationInterface
+from nemo_like.models.policy.hf_worker import HFPolicyWorker
+from nemo_like.models.policy.interfaces import PolicyConfig, PolicyInterface
+
+
+class Policy(PolicyInterface, GenerationInterface):
+    def __init__(self, cluster: RayVirtualCluster, config: PolicyConfig, *, seed: int = 0,
+                 init_reference_model: bool = True, init_optimizer: bool = True,
+                 name_prefix: str = "policy", weights_path: str | None = None):
+        if config.generation.backend != "hf":
+            raise NotImplementedError(
+                f"policy.generation.backend={config.generation.backend!r}: only the 'hf' backend is "
+                "implemented; vLLM is planned for GPU runs")
+        self.cfg = config
+        self.cluster = cluster
+        env = {"NEMO_LIKE_USE_GPU": "1" if getattr(cluster, "gpus_per_worker", 0) else "0"}
+        if os.environ.get("HF_HUB_OFFLINE"):
+            env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
+        self.worker_group = RayWorkerGroup(
+            cluster, HFPolicyWorker, config, seed=seed, init_reference_model=init_reference_model,
+            init_optimizer=init_optimizer, name_prefix=name_prefix, env_vars=env)
+        self.world_size = self.worker_group.world_size
+        if weights_path:
+            self.load_checkpoint(weights_path)
+
+    # Every worker must receive the same number of rows (FSDP collectives run in lock step), so
+    # the batch is padded with copies of row 0 and the padding dropped from the results.
+    def _run_sharded(self, method: str, data: BatchedDataDict, **kwargs) -> BatchedDataDict:
+        n = data.size
+        pad = (-n) % self.world_size
+        if pad:
+            data = BatchedDataDict.from_batches([data, data.select_indices([0] * pad)])
+        refs = self.worker_group.run_all_workers_sharded_data(method, data, **kwargs)
+        out = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(refs))
+        return out.slice(0, n) if pad else out
+
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        keys = {"input_ids", "input_lengths"}
+        if missing := keys - set(data):
+            raise KeyError(f"Policy.generate needs keys {sorted(keys)}; missing {sorted(missing)}")
+        sub = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "stop_strings") if k in data})
+        return self._run_sharded("generate", sub, greedy=greedy)
+
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        return self._run_sharded("get_logprobs", sub)
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        return self._run_sharded("get_reference_policy_logprobs", sub)
+
+    def train(self, data: BatchedDataDict, loss_fn: Any, global_batch_size: int | None = None,
+              micro_batch_size: int | None = None) -> dict[str, float]:
+        gbs = global_batch_size or self.cfg.train_global_batch_size
+        if data.size % gbs:
+            raise ValueError(f"train batch of {data.size} samples is not a multiple of the global batch "
+                             f"size {gbs} (policy.train_global_batch_size)")
+        if gbs % self.world_size:
+            raise ValueError(f"policy.train_global_batch_size ({gbs}) is not divisible by the "
+                             f"{self.world_size} training workers")
+        tensors = BatchedDataDict({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
+        refs = self.worker_group.run_all_workers_sharded_data(
+            "train", tensors, batch_size=gbs, loss_fn=loss_fn, global_batch_size=gbs,
+            micro_batch_size=micro_batch_size)
+        # Metrics are already reduced over workers inside train(); rank 0 reports them.
+        return self.worker_group.get_all_worker_results(refs)[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("save_checkpoint", str(path)))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("load_checkpoint", str(path)))
+
+    def shutdown(self) -> None:
+        self.worker_group.shutdown()

@@ -1,0 +1,270 @@
+"""Metric logging to stdout, ``<log_dir>/metrics.jsonl``, TensorBoard and (optionally) wandb.
+
+metrics.jsonl is the machine-readable record of a run: one JSON object per ``log_metrics``
+call, ``{"step": N, "train/loss": ...}``. It is opened in append mode so a resumed run keeps
+writing to the same file, and every line is flushed immediately so a crash loses at most
+the line being written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+METRICS_FILENAME = "metrics.jsonl"
+CONFIG_FILENAME = "config.yaml"
+TENSORBOARD_SUBDIR = "tensorboard"
+
+
+def _fspath_or_none(value: Any) -> Any:
+    # YAML gives strings, Python callers often pass Path objects: accept both.
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+class WandbConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    project: str = "nemo_like"
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    # Where wandb writes its run folder; None means the logger's log_dir.
+    dir: str | None = None
+
+    _fspath = field_validator("dir", mode="before")(_fspath_or_none)
+
+
+class LoggerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    log_dir: str = "logs"
+    stdout_enabled: bool = True
+    jsonl_enabled: bool = True
+    tensorboard_enabled: bool = True
+    wandb_enabled: bool = False
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    _fspath = field_validator("log_dir", mode="before")(_fspath_or_none)
+
+
+def _to_float(value: Any) -> float | None:
+    """A Python float for scalar numeric values (bool, int, float, numpy scalar, 1-element tensor/array).
+
+    Returns None for anything else, which the caller skips: strings, lists, multi-element tensors.
+    """
+    if isinstance(value, numbers.Number | np.generic) and not isinstance(value, complex | np.complexfloating):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.detach().cpu().item())
+    if isinstance(value, np.ndarray) and value.size == 1 and np.issubdtype(value.dtype, np.number):
+        if np.issubdtype(value.dtype, np.complexfloating):
+            return None
+        return float(value.reshape(()))
+    return None
+
+
+def _yaml_safe(value: Any) -> Any:
+    """Converts a config (pydantic models, Paths, tuples, numpy scalars) into plain YAML/JSON types."""
+    if isinstance(value, BaseModel):
+        return _yaml_safe(value.model_dump(mode="json"))
+    if isinstance(value, Mapping):
+        return {str(k): _yaml_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_yaml_safe(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def _format_value(value: float) -> str:
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def _default_print(text: str) -> None:
+    # tqdm.write prints above an active progress bar instead of breaking it, and behaves
+    # like print() when there is no bar.
+    from tqdm import tqdm
+
+    tqdm.write(text)
+
+
+class Logger:
+    """Fans metrics out to the enabled backends. Use ``close()`` (idempotent) at the end of a run."""
+
+    def __init__(self, cfg: LoggerConfig | Mapping[str, Any], print_fn: Callable[[str], None] | None = None):
+        self.cfg = cfg if isinstance(cfg, LoggerConfig) else LoggerConfig.model_validate(cfg)
+        self.log_dir = Path(self.cfg.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.print_fn = print_fn or _default_print
+        self._closed = False
+        self._jsonl = None
+        self._tb_writer = None
+        self._wandb_run = None
+
+        if self.cfg.jsonl_enabled:
+            self._jsonl = self._open_jsonl_for_append(self.log_dir / METRICS_FILENAME)
+        if self.cfg.tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb_writer = SummaryWriter(log_dir=str(self.log_dir / TENSORBOARD_SUBDIR))
+        if self.cfg.wandb_enabled:
+            self._wandb_run = self._init_wandb()
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.log_dir / METRICS_FILENAME
+
+    @staticmethod
+    def _open_jsonl_for_append(path: Path):
+        # A crash can leave a half-written last line; appending after it would glue the next
+        # record onto garbage, so cut the file back to its last complete line first.
+        if path.exists() and path.stat().st_size > 0:
+            with open(path, "rb+") as f:
+                data = f.read()
+                if not data.endswith(b"\n"):
+                    keep = data.rfind(b"\n") + 1
+                    warnings.warn(
+                        f"{path}: dropping a truncated last line ({len(data) - keep} bytes) left by an "
+                        "interrupted run before appending",
+                        stacklevel=3,
+                    )
+                    f.truncate(keep)
+        return open(path, "a", encoding="utf-8")
+
+    def _init_wandb(self):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "logger.wandb_enabled=true but wandb is not installed; install the 'wandb' extra "
+                "(uv sync --extra wandb) or set logger.wandb_enabled=false"
+            ) from e
+        wcfg = self.cfg.wandb
+        wandb_dir = Path(wcfg.dir) if wcfg.dir is not None else self.log_dir
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        return wandb.init(project=wcfg.project, name=wcfg.name, mode=wcfg.mode, dir=str(wandb_dir))
+
+    @staticmethod
+    def _prefixed(metrics: Mapping[str, Any], prefix: str | None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, value in metrics.items():
+            number = _to_float(value)
+            if number is None:
+                continue  # non-numeric (strings, lists, ...): not a scalar metric
+            name = f"{prefix}/{key}" if prefix else str(key)
+            if name == "step":
+                raise ValueError("metric name 'step' is reserved for the step column of metrics.jsonl")
+            out[name] = number
+        return out
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str | None = None) -> dict[str, float]:
+        """Logs scalar metrics at ``step``; returns the (prefixed, float) metrics that were logged."""
+        if self._closed:
+            raise RuntimeError("Logger.log_metrics called after close()")
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        values = self._prefixed(metrics, prefix)
+
+        if self._jsonl is not None:
+            record: dict[str, Any] = {"step": step}
+            # JSON has no NaN/Infinity; null keeps every line parseable by any JSON reader.
+            record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl.flush()
+        if self._tb_writer is not None:
+            for name, value in values.items():
+                self._tb_writer.add_scalar(name, value, global_step=step)
+            self._tb_writer.flush()
+        if self._wandb_run is not None and values:
+            self._wandb_run.log(values, step=step)
+        if self.cfg.stdout_enabled and values:
+            self.print_fn(self.format_block(values, step, prefix))
+        return values
+
+    @staticmethod
+    def format_block(values: Mapping[str, float], step: int, prefix: str | None = None) -> str:
+        title = f" step {step}" + (f" [{prefix}]" if prefix else "") + " "
+        width = max(len(k) for k in values)
+        lines = [f"{title:=^{max(width + 14, 30)}}"]
+        lines += [f"  {k:<{width}}  {_format_value(values[k])}" for k in sorted(values)]
+        return "\n".join(lines)
+
+    def log_hyperparams(self, params: Mapping[str, Any] | BaseModel) -> None:
+        """Writes ``<log_dir>/config.yaml`` (overwritten: the latest run's config) and the wandb config."""
+        if self._closed:
+            raise RuntimeError("Logger.log_hyperparams called after close()")
+        plain = _yaml_safe(params)
+        if not isinstance(plain, dict):
+            raise TypeError(f"hyperparams must be a mapping or pydantic model, got {type(params).__name__}")
+        tmp = self.log_dir / (CONFIG_FILENAME + ".tmp")
+        tmp.write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
+        os.replace(tmp, self.log_dir / CONFIG_FILENAME)
+        if self._wandb_run is not None:
+            self._wandb_run.config.update(plain, allow_val_change=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+            self._tb_writer = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> Logger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Reads a metrics.jsonl file (one JSON object per line; blank lines ignored)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILENAME
+    if not path.exists():
+        raise FileNotFoundError(f"metrics file not found: {path}")
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON line: {e.msg}") from e
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records

@@ -1,0 +1,107 @@
+"""Config loading: defaults inheritance, overrides, and one-line errors that name the key/file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_like.config import ConfigError, apply_overrides, load_config, load_yaml_with_defaults, parse_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
+
+
+def test_example_configs_validate():
+    tiny = load_config(TINY)
+    assert tiny.policy.train_global_batch_size == 128
+    assert tiny.grpo.val_period == 10  # from the tiny file
+    assert tiny.loss_fn.ratio_clip_min == 0.2  # inherited from grpo_math_base.yaml
+    big = load_config(ROOT / "examples" / "configs" / "grpo_math_1B.yaml")
+    assert big.policy.model_name == "Qwen/Qwen2.5-1.5B" and big.policy.precision == "bfloat16"
+    assert big.data.train.path.startswith("hf:")
+
+
+def test_defaults_chain_and_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("x: {y: 1, z: 2}\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\nx: {y: 5}\n")
+    assert load_yaml_with_defaults(tmp_path / "b.yaml") == {"x": {"y": 5, "z": 2}}
+    (tmp_path / "c.yaml").write_text("defaults: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("defaults: c.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_yaml_with_defaults(tmp_path / "c.yaml")
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(TINY, ["grpo.max_num_steps=7", "policy.optimizer.lr=1e-5", "policy.generation.top_k=5",
+                             "loss_fn.ratio_clip_c=3"])
+    assert cfg.grpo.max_num_steps == 7
+    assert cfg.policy.optimizer.lr == pytest.approx(1e-5)
+    assert cfg.policy.generation.top_k == 5  # not in the YAML, but a schema key
+    assert cfg.loss_fn.ratio_clip_c == 3
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("grpo.num_prompt_per_step=3", r"unknown config key 'grpo.num_prompt_per_step' \(did you mean grpo.num_prompts_per_step\?\)"),
+        ("policy.optimizer.lr=abc", r"policy.optimizer.lr: Input should be a valid number.*'abc'"),
+        ("++foo.bar=1", r"foo: unknown config key"),
+        ("policy.train_global_batch_size=100", r"train_global_batch_size \(100\) is not divisible by grpo.num_generations_per_prompt \(8\)"),
+        ("grpo.num_prompts_per_step=3", r"3\) x grpo.num_generations_per_prompt \(8\) = 24 completions per step is not a multiple of policy.train_global_batch_size \(128\)"),
+        ("loss_fn.ratio_clip_c=0.5", r"ratio_clip_c"),
+        ("grpo.num_generations_per_prompt=1", r"num_generations_per_prompt"),
+        ("data.max_input_seq_length=48", r"leaves no room to generate"),
+        ("noequals", r"expected key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(TINY, [override])
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  seed: 1\n  x: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"{bad}:\d+: invalid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_parse_cli():
+    assert parse_cli(["--config", "x.yaml", "a.b=1", "++c=2"], "d.yaml") == ("x.yaml", ["a.b=1", "++c=2"])
+    assert parse_cli([], "d.yaml") == ("d.yaml", [])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_cli(["oops"], "d.yaml")
+
+
+def test_apply_overrides_force_adds_nested():
+    assert apply_overrides({"a": {}}, ["++a.b.c=[1, 2]"]) == {"a": {"b": {"c": [1, 2]}}}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["grpo.max_num_step=3"], "unknown config key 'grpo.max_num_step'"),
+        (["data.train.path=/nonexistent/rows.jsonl", "++data.train.generator=null"], "/nonexistent/rows.jsonl: file not found"),
+    ],
+)
+def test_cli_exits_2_with_one_line(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), *args,
+                           f"logger.log_dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+def test_cli_malformed_jsonl_names_line(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"problem": "1+1=", "expected_answer": "2"}\n{"problem": oops}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), f"data.train.path={rows}",
+                           "++data.train.generator=null", f"logger.log_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"{rows}:2: invalid JSON" in proc.stderr

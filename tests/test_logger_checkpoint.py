@@ -1,0 +1,320 @@
+"""Tests for nemo_like.utils: Logger (jsonl / TensorBoard / wandb offline / stdout), CheckpointManager, Timer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from pydantic import ValidationError
+
+from nemo_like.utils import (
+    CheckpointingConfig,
+    CheckpointManager,
+    Logger,
+    LoggerConfig,
+    Timer,
+    read_metrics_jsonl,
+)
+
+
+def _cfg(tmp_path: Path, **kw) -> LoggerConfig:
+    base = dict(log_dir=str(tmp_path / "logs"), stdout_enabled=False, tensorboard_enabled=False)
+    base.update(kw)
+    return LoggerConfig(**base)
+
+
+# ------------------------------------------------------------------ logger
+def test_jsonl_prefix_conversion_nan_and_skips(tmp_path):
+    with Logger(_cfg(tmp_path)) as logger:
+        logged = logger.log_metrics(
+            {
+                "loss": torch.tensor(0.25),
+                "reward_mean": np.float32(0.5),
+                "num": np.int64(7),
+                "kl": float("nan"),
+                "inf": float("inf"),
+                "note": "text",  # non-numeric: skipped
+                "vec": torch.ones(3),  # not a scalar: skipped
+            },
+            step=1,
+            prefix="train",
+        )
+        logger.log_metrics({"val/accuracy": 0.72}, step=2)
+    assert set(logged) == {"train/loss", "train/reward_mean", "train/num", "train/kl", "train/inf"}
+    raw = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert len(raw) == 2
+    assert "NaN" not in raw[0] and "Infinity" not in raw[0]
+    first, second = (json.loads(line) for line in raw)
+    assert first == {
+        "step": 1,
+        "train/loss": 0.25,
+        "train/reward_mean": 0.5,
+        "train/num": 7.0,
+        "train/kl": None,
+        "train/inf": None,
+    }
+    assert second == {"step": 2, "val/accuracy": 0.72}
+    assert read_metrics_jsonl(tmp_path / "logs") == [first, second]
+
+
+def test_jsonl_flushed_per_line_and_appends_on_reopen(tmp_path):
+    logger = Logger(_cfg(tmp_path))
+    logger.log_metrics({"loss": 1.0}, step=0, prefix="train")
+    # Visible before close: each line is flushed.
+    assert read_metrics_jsonl(logger.metrics_path) == [{"step": 0, "train/loss": 1.0}]
+    logger.close()
+    logger.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        logger.log_metrics({"loss": 1.0}, step=1)
+
+    # Simulate a crash mid-write of a later line: the resumed logger drops the partial line.
+    with open(tmp_path / "logs" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1, "train/lo')
+    with pytest.warns(UserWarning, match="truncated last line"):
+        resumed = Logger(_cfg(tmp_path))
+    resumed.log_metrics({"loss": 0.5}, step=1, prefix="train")
+    resumed.close()
+    records = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    assert records == [{"step": 0, "train/loss": 1.0}, {"step": 1, "train/loss": 0.5}]
+
+
+def test_bad_inputs_have_clear_errors(tmp_path):
+    with Logger(_cfg(tmp_path)) as logger:
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            logger.log_metrics({"a": 1.0}, step=-1)
+        with pytest.raises(ValueError, match="reserved"):
+            logger.log_metrics({"step": 1.0}, step=1)
+        with pytest.raises(TypeError, match="mapping"):
+            logger.log_metrics([1.0], step=1)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="tensorbord_enabled"):
+        LoggerConfig(tensorbord_enabled=True)
+    with pytest.raises(ValidationError, match="mode"):
+        LoggerConfig(wandb={"mode": "sometimes"})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        read_metrics_jsonl(bad)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        read_metrics_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_stdout_block_sorted_aligned_4_sig_digits(tmp_path):
+    lines: list[str] = []
+    with Logger(_cfg(tmp_path, stdout_enabled=True), print_fn=lines.append) as logger:
+        logger.log_metrics({"reward_mean": 0.123456, "loss": 12345.678, "n": 3}, step=5, prefix="train")
+    assert len(lines) == 1
+    block = lines[0].splitlines()
+    assert "step 5" in block[0]
+    assert [row.split()[0] for row in block[1:]] == ["train/loss", "train/n", "train/reward_mean"]
+    assert [row.split()[1] for row in block[1:]] == ["1.235e+04", "3", "0.1235"]
+    # Values start in the same column.
+    assert len({row.index(row.split()[1]) for row in block[1:]}) == 1
+
+
+def test_default_print_goes_to_stdout(tmp_path, capsys):
+    with Logger(_cfg(tmp_path, stdout_enabled=True)) as logger:
+        logger.log_metrics({"accuracy": 0.5}, step=0, prefix="val")
+    assert "val/accuracy" in capsys.readouterr().out
+
+
+def test_tensorboard_event_file_and_hyperparams(tmp_path):
+    with Logger(_cfg(tmp_path, tensorboard_enabled=True)) as logger:
+        logger.log_metrics({"loss": 0.5}, step=3, prefix="train")
+        logger.log_hyperparams({"grpo": {"lr": 1e-3, "dir": Path("/x"), "sizes": (1, 2)}})
+    events = list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    scalars = acc.Scalars("train/loss")
+    assert [(s.step, s.value) for s in scalars] == [(3, 0.5)]
+    config = yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())
+    assert config == {"grpo": {"lr": 1e-3, "dir": "/x", "sizes": [1, 2]}}
+
+
+def test_wandb_offline_run_under_log_dir(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(tmp_path, wandb_enabled=True, wandb={"project": "nemo_like_test", "name": "t", "mode": "offline"})
+    logger = Logger(cfg)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_metrics({"loss": 0.5}, step=1, prefix="train")
+    logger.log_metrics({"loss": 0.25}, step=2, prefix="train")
+    logger.close()
+    assert wandb.run is None  # finished by close()
+    runs = list((tmp_path / "logs" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    run_files = list(runs[0].glob("*.wandb"))
+    assert len(run_files) == 1 and run_files[0].stat().st_size > 0
+
+
+# -------------------------------------------------------------- checkpoint
+def _save(mgr: CheckpointManager, step: int, acc: float | None = None) -> Path:
+    info = {"metrics": {"val/accuracy": acc} if acc is not None else {}}
+    tmp = mgr.init_tmp_checkpoint(step, info)
+    (tmp / "policy").mkdir()
+    (tmp / "policy" / "weights.bin").write_bytes(b"w" * 16)
+    torch.save({"step": step}, tmp / "train_state.pt")
+    return mgr.finalize_checkpoint(tmp)
+
+
+def _steps(mgr: CheckpointManager) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in mgr.list_checkpoints()]
+
+
+def test_checkpoint_layout_and_training_info(tmp_path):
+    mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=tmp_path / "ckpt", keep_top_k=None))
+    assert mgr.get_latest_checkpoint_path() is None and mgr.get_best_checkpoint_path() is None
+    final = _save(mgr, 10, acc=0.5)
+    assert final == tmp_path / "ckpt" / "step_10"
+    assert sorted(p.name for p in final.iterdir()) == ["policy", "train_state.pt", "training_info.json"]
+    assert mgr.load_training_info(final) == {"metrics": {"val/accuracy": 0.5}, "step": 10}
+    assert torch.load(final / "train_state.pt") == {"step": 10}
+    assert not list((tmp_path / "ckpt").glob("tmp_*"))
+    # Re-saving the same step replaces it safely.
+    tmp = mgr.init_tmp_checkpoint(10, {"metrics": {"val/accuracy": 0.9}})
+    mgr.finalize_checkpoint(tmp)
+    assert mgr.load_training_info(final)["metrics"]["val/accuracy"] == 0.9
+    assert not (final / "policy").exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_10"]
+
+
+def test_crash_leftover_tmp_never_latest(tmp_path):
+    cfg = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"))
+    mgr = CheckpointManager(cfg)
+    _save(mgr, 10, acc=0.5)
+    # "Crash" during the save of step 20: caller wrote files, finalize never ran.
+    tmp = mgr.init_tmp_checkpoint(20, {"metrics": {"val/accuracy": 0.9}})
+    (tmp / "train_state.pt").write_bytes(b"partial")
+    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+    assert mgr.get_best_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+    # Even a tmp dir that already holds training_info.json (crash right before the rename) is ignored.
+    (tmp / "training_info.json").write_text(json.dumps({"step": 20}))
+    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+    # A step_* dir without training_info.json is not a checkpoint either.
+    (tmp_path / "ckpt" / "step_30").mkdir()
+    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+
+    # The resumed run cleans up on construction; re-initialising the same step starts clean.
+    resumed = CheckpointManager(cfg)
+    assert not (tmp_path / "ckpt" / "tmp_step_20").exists()
+    tmp2 = resumed.init_tmp_checkpoint(20, {})
+    assert [p.name for p in tmp2.iterdir()] == [".pending_training_info.json"]
+    resumed.finalize_checkpoint(tmp2)
+    assert resumed.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_20"
+
+
+def test_crash_between_renames_restores_old_step(tmp_path):
+    cfg = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"))
+    mgr = CheckpointManager(cfg)
+    _save(mgr, 10, acc=0.5)
+    os.replace(tmp_path / "ckpt" / "step_10", tmp_path / "ckpt" / "tmp_old_step_10")
+    assert mgr.get_latest_checkpoint_path() is None
+    assert mgr.remove_stale_tmp() == []
+    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+
+
+def test_top_k_pruning_metrics_ties_and_latest_kept(tmp_path):
+    mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), keep_top_k=2))
+    _save(mgr, 1, acc=0.9)
+    _save(mgr, 2, acc=0.5)
+    _save(mgr, 3, acc=0.7)
+    assert _steps(mgr) == [1, 3]  # 0.5 pruned; latest (3) is also in the top 2
+    _save(mgr, 4, acc=0.1)
+    assert _steps(mgr) == [1, 3, 4]  # top 2 = {1, 3}, plus the latest even though it is worst
+    _save(mgr, 5, acc=0.7)
+    assert _steps(mgr) == [1, 5]  # tie 0.7 between 3 and 5: newer wins; 4 no longer latest
+    _save(mgr, 6)  # missing metric ranks lowest, but the latest is kept
+    assert _steps(mgr) == [1, 5, 6]
+    _save(mgr, 7, acc=0.95)
+    assert _steps(mgr) == [1, 7]
+    assert mgr.get_best_checkpoint_path() == tmp_path / "ckpt" / "step_7"
+    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_7"
+
+
+def test_lower_is_better_flat_metric_and_no_metric(tmp_path):
+    cfg = CheckpointingConfig(
+        checkpoint_dir=str(tmp_path / "a"), keep_top_k=1, metric_name="val/loss", higher_is_better=False
+    )
+    mgr = CheckpointManager(cfg)
+    for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
+        mgr.finalize_checkpoint(mgr.init_tmp_checkpoint(step, {"val/loss": loss}))
+    assert _steps(mgr) == [2, 3]
+    assert mgr.get_best_checkpoint_path().name == "step_2"
+
+    recency = CheckpointManager(
+        CheckpointingConfig(checkpoint_dir=str(tmp_path / "b"), keep_top_k=2, metric_name=None)
+    )
+    for step in (1, 2, 3):
+        recency.finalize_checkpoint(recency.init_tmp_checkpoint(step, {"val/accuracy": 1.0 / step}))
+    assert _steps(recency) == [2, 3]
+    assert recency.get_best_checkpoint_path().name == "step_3"
+
+
+def test_checkpoint_bad_inputs(tmp_path):
+    with pytest.raises(ValidationError, match="save_period"):
+        CheckpointingConfig(save_period=0)
+    with pytest.raises(ValidationError, match="keep_top_k"):
+        CheckpointingConfig(keep_top_k=0)
+    with pytest.raises(ValidationError, match="keep_best"):
+        CheckpointingConfig(keep_best=2)
+    mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), save_period=5))
+    assert [s for s in range(12) if mgr.should_save(s)] == [0, 5, 10]
+    assert mgr.should_save(7, is_last_step=True)
+    with pytest.raises(ValueError, match="non-negative int"):
+        mgr.init_tmp_checkpoint(-1, {})
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        mgr.init_tmp_checkpoint(1, {"obj": object()})
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        mgr.init_tmp_checkpoint(1, {"loss": math.nan})
+    with pytest.raises(ValueError, match="disagrees"):
+        mgr.init_tmp_checkpoint(1, {"step": 2})
+    with pytest.raises(ValueError, match="not a temporary checkpoint"):
+        mgr.finalize_checkpoint(tmp_path / "elsewhere" / "tmp_step_1")
+    with pytest.raises(FileNotFoundError, match="not a finalized checkpoint"):
+        mgr.load_training_info(tmp_path / "ckpt")
+
+
+# ------------------------------------------------------------------- timer
+def test_timer_sum_mean_nested_and_errors():
+    timer = Timer()
+    with timer.time("generation"):
+        time.sleep(0.05)
+        with timer.time("logprobs"):
+            time.sleep(0.02)
+    timer.start("generation")
+    time.sleep(0.03)
+    assert 0.03 <= timer.stop("generation") < 0.5
+    total = timer.get_timing_metrics("sum")
+    mean = timer.get_timing_metrics(reduction="mean")
+    assert set(total) == {"generation", "logprobs"}
+    assert 0.10 <= total["generation"] < 0.6
+    assert 0.02 <= total["logprobs"] < 0.3
+    assert mean["generation"] == pytest.approx(total["generation"] / 2)
+    assert total["generation"] > total["logprobs"]
+
+    with pytest.raises(RuntimeError, match="not running"):
+        timer.stop("train")
+    timer.start("train")
+    with pytest.raises(RuntimeError, match="already running"):
+        timer.start("train")
+    assert "train" not in timer.get_timing_metrics()  # still running: not reported
+    with pytest.raises(ValueError, match="reduction"):
+        timer.get_timing_metrics("max")
+
+    with pytest.raises(ZeroDivisionError), timer.time("reward"):
+        raise ZeroDivisionError("body failed")
+    assert "reward" in timer.get_timing_metrics()  # recorded even when the body raised
+    timer.reset()
+    assert timer.get_timing_metrics() == {}
+    timer.start("train")  # reset also cleared the running timer
