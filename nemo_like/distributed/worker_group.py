@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import socket
 import time
 import uuid
@@ -38,6 +39,8 @@ _RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 # Remember at most this many (ref -> rank, method) entries; refs a caller never fetched must not
 # make the table grow without bound.
 _MAX_TRACKED_REFS = 100_000
+# Ray colours the remote traceback header; escape codes are noise in logs and exception messages.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _pick_free_port() -> int:
@@ -216,7 +219,8 @@ class RayWorkerGroup:
                 rank, method = self._describe(ref, idx)
                 kind = "died" if isinstance(e, ray.exceptions.RayActorError) else "raised"
                 raise RuntimeError(
-                    f"{self.name_prefix} rank {rank} {kind} in {method!r}: {type(e).__name__}: {e}"
+                    f"{self.name_prefix} rank {rank} {kind} in {method!r}: {type(e).__name__}: "
+                    f"{_ANSI.sub('', str(e))}"
                 ) from e
             self._ref_info.pop(ref.hex(), None)
         return [results[i] for i in range(len(refs))]

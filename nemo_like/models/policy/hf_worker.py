@@ -71,6 +71,7 @@ class HFPolicyWorker:
 
         # The reference policy is the initial weights; kept as a detached copy and swapped in for
         # reference logprobs (NeMo RL does the same) rather than a second model instance.
+        self._reshard()
         self.reference_params = (
             {n: p.detach().clone() for n, p in self.model.named_parameters()} if init_reference_model else None
         )
@@ -130,8 +131,18 @@ class HFPolicyWorker:
             lp = self.get_logprobs(data)["logprobs"]
         return BatchedDataDict(reference_logprobs=lp)
 
+    def _reshard(self) -> None:
+        # FSDP2 leaves the root module's parameters unsharded after a forward pass; put every
+        # parameter back to its sharded DTensor form before touching parameters directly.
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     @contextmanager
     def _swap_in(self, params: dict[str, torch.Tensor]):
+        self._reshard()
         current = dict(self.model.named_parameters())
         saved = {n: p.detach().clone() for n, p in current.items()}
         with torch.no_grad():
