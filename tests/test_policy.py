@@ -97,8 +97,22 @@ def test_greedy_is_deterministic(policy, model_dir):
     assert torch.equal(a["output_ids"], b["output_ids"])
 
 
-def test_train_lowers_nll_and_checkpoint_round_trips(cluster, model_dir, tmp_path):
+def test_train_rejects_bad_batch(policy):
+    data = BatchedDataDict(input_ids=torch.zeros(6, 4, dtype=torch.long), input_lengths=torch.full((6,), 4),
+                           token_mask=torch.ones(6, 4), sample_mask=torch.ones(6))
+    with pytest.raises(ValueError, match=r"train batch of 6 samples is not a multiple of the global batch size 8"):
+        policy.train(data, NLLLossFn())
+
+
+def test_second_group_on_held_cluster_fails_fast(policy, cluster, model_dir):
+    with pytest.raises(RuntimeError, match="bundles are held by worker group 'policy'"):
+        Policy(cluster, _cfg(model_dir), seed=0, name_prefix="second")
+
+
+def test_train_lowers_nll_and_checkpoint_round_trips(policy, cluster, model_dir, tmp_path):
     from transformers import AutoTokenizer
+
+    policy.shutdown()  # frees the bundles: one worker group per cluster at a time
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     p = Policy(cluster, _cfg(model_dir), seed=0, name_prefix="train")
@@ -129,10 +143,3 @@ def test_train_lowers_nll_and_checkpoint_round_trips(cluster, model_dir, tmp_pat
         # The optimizer state came back too: the next step matches the original policy's next step.
     finally:
         q.shutdown()
-
-
-def test_train_rejects_bad_batch(policy):
-    data = BatchedDataDict(input_ids=torch.zeros(6, 4, dtype=torch.long), input_lengths=torch.full((6,), 4),
-                           token_mask=torch.ones(6, 4), sample_mask=torch.ones(6))
-    with pytest.raises(ValueError, match=r"train batch of 6 samples is not a multiple of the global batch size 8"):
-        policy.train(data, NLLLossFn())

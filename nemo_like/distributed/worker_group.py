@@ -86,6 +86,7 @@ class RayWorkerGroup:
         *args: Any,
         name_prefix: str = "worker",
         env_vars: dict[str, str] | None = None,
+        startup_timeout_s: float | None = 900.0,
         **kwargs: Any,
     ) -> None:
         env_vars = {str(k): str(v) for k, v in (env_vars or {}).items()}
@@ -97,6 +98,13 @@ class RayWorkerGroup:
         self._worker_cls = worker_cls.__ray_metadata__.modified_class if isinstance(worker_cls, ActorClass) else worker_cls
         remote_cls = worker_cls if isinstance(worker_cls, ActorClass) else ray.remote(worker_cls)
 
+        holder = getattr(cluster, "_nemo_like_holder", None)
+        if holder is not None and not holder._shut_down and (cluster.cpus_per_worker or cluster.gpus_per_worker):
+            # A second group would wait forever for resources the first one holds.
+            raise RuntimeError(
+                f"cannot start worker group {name_prefix!r}: the cluster's bundles are held by worker group "
+                f"{holder.name_prefix!r}; shut that one down first (e.g. policy.shutdown()) or use another "
+                "RayVirtualCluster")
         pg = cluster.placement_group
         node_ids = cluster.bundle_node_ids()
         master_addr, master_port = _master_addr_port(node_ids)
@@ -135,10 +143,18 @@ class RayWorkerGroup:
             "%s: %d workers of %s, MASTER_ADDR=%s MASTER_PORT=%d", name_prefix, world_size,
             self._worker_cls.__name__, master_addr, master_port,
         )
+        cluster._nemo_like_holder = self
         try:
             self.get_all_worker_results(
-                [self._track(w.__ray_ready__.remote(), rank, "__init__") for rank, w in enumerate(self._workers)]
+                [self._track(w.__ray_ready__.remote(), rank, "__init__") for rank, w in enumerate(self._workers)],
+                timeout=startup_timeout_s,
             )
+        except TimeoutError as e:
+            self.shutdown(timeout=0)
+            raise TimeoutError(
+                f"{e}. Workers that never start are usually waiting for resources: check that Ray has "
+                f"{cluster.cpus_per_worker} CPU(s) and {cluster.gpus_per_worker} GPU(s) free per worker "
+                "(`ray status`)") from None
         except BaseException:
             self.shutdown(timeout=0)
             raise

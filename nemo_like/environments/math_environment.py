@@ -93,7 +93,7 @@ _VAR_EQ_RE = re.compile(r"^[a-zA-Z]=")
 def normalize_answer(answer: str) -> str:
     """Canonical text of an answer for the exact comparison (and input to the parser)."""
     s = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
-    s = s.replace("\\%", "%")
+    s = s.replace("\\%", "%").replace("\\$", "$")
     s = _DELETE_RE.sub("", s)
     s = _SPACE_RE.sub("", _WS_RE.sub(" ", s).strip())
     m = _TEXT_WHOLE_RE.match(s)
