@@ -18,13 +18,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from nemo_like.utils.logger import progress_interval
+
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config import MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.experience.rollouts import flatten_message_logs, run_single_turn_rollout
+from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.utils.checkpoint import CheckpointManager
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.timer import Timer
@@ -64,7 +66,7 @@ class GRPOTrainer:
 
             # 2. Generate and grade.
             with timer.time("generation_and_reward"):
-                batch, rollout_metrics = run_single_turn_rollout(self.policy, batch, self.tokenizer, self.envs)
+                batch, rollout_metrics = self._rollout(batch, greedy=False)
             rewards = batch["total_reward"]
 
             # 3. Advantages: group-relative, computed on the driver (cheap, [N]).
@@ -104,6 +106,8 @@ class GRPOTrainer:
             "train/epoch": float(self.sampler.epoch),
         }
         metrics |= {f"train/{k}": v for k, v in rollout_metrics.items()}
+        if len(set(batch["task_name"])) > 1:
+            metrics |= per_task_metrics(batch, "train")
         metrics |= {f"train/{k}": v for k, v in train_metrics.items()}
         metrics |= {f"timing/{k}": v for k, v in timer.get_timing_metrics().items()}
 
@@ -115,6 +119,11 @@ class GRPOTrainer:
             self.save_checkpoint(metrics)
         return metrics
 
+    def _rollout(self, batch: BatchedDataDict, greedy: bool) -> tuple[BatchedDataDict, dict[str, float]]:
+        return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs,
+                                      max_turns=self.config.grpo.max_rollout_turns,
+                                      max_seq_len=self.config.policy.max_total_sequence_length, greedy=greedy)
+
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, log: bool = False) -> dict[str, float]:
         """Greedy accuracy on the held-out set (reward 1.0 = correct for the math environment)."""
@@ -123,11 +132,14 @@ class GRPOTrainer:
         n = min(len(self.val_dataset), self.config.grpo.max_val_samples)
         t0 = time.perf_counter()
         batch = rl_collate_fn([self.val_dataset[i] for i in range(n)])
-        batch, m = run_single_turn_rollout(self.policy, batch, self.tokenizer, self.envs, greedy=True)
+        batch, m = self._rollout(batch, greedy=True)
         rewards = batch["total_reward"]
         out = {"val/accuracy": float((rewards >= 1.0).float().mean()), "val/reward_mean": float(rewards.mean()),
                "val/response_length_mean": m["response_length_mean"], "val/truncation_rate": m["truncation_rate"],
+               "val/turns_per_sample": m["turns_per_sample"],
                "val/num_samples": float(n), "timing/validation": time.perf_counter() - t0}
+        if len(set(batch["task_name"])) > 1:
+            out |= per_task_metrics(batch, "val")
         self.last_val_metrics = out
         if log:
             self.logger.log_metrics(out, step=self.step_count)
@@ -138,9 +150,13 @@ class GRPOTrainer:
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
-        info = {"step": self.step_count, "metrics": {**self.last_val_metrics, **(metrics or {})}}
+        merged = {**self.last_val_metrics, **(metrics or {})}
+        # training_info.json is strict JSON: a NaN metric (e.g. a loss over zero tokens) is left out.
+        info = {"step": self.step_count,
+                "metrics": {k: float(v) for k, v in merged.items() if isinstance(v, (int, float)) and np.isfinite(v)}}
         tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
         self.policy.save_checkpoint(str(tmp / "policy"))
+        (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
         torch.save({"step": self.step_count, "sampler": self.sampler.state_dict(),
                     "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
                     "torch_rng": torch.get_rng_state(), "last_val_metrics": self.last_val_metrics},
@@ -179,7 +195,8 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
         if base is not None:
             tqdm.write(f"step 0: val/accuracy = {base:.3f} (base model)")
     results = []
-    bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True,
+                mininterval=progress_interval())
     while trainer.step_count < total:
         m = trainer.step()
         results.append(m)
@@ -193,6 +210,21 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
     return results
 
 
+def per_task_metrics(batch: BatchedDataDict, prefix: str) -> dict[str, float]:
+    """`<prefix>/<task>/reward_mean`, `accuracy`, `turns_per_sample`, `truncation_rate` per task."""
+    out: dict[str, float] = {}
+    tasks = list(batch["task_name"])
+    for task in sorted(set(tasks)):
+        idx = torch.tensor([i for i, t in enumerate(tasks) if t == task])
+        r = batch["total_reward"][idx]
+        out |= {f"{prefix}/{task}/reward_mean": float(r.mean()),
+                f"{prefix}/{task}/accuracy": float((r >= 1.0).float().mean()),
+                f"{prefix}/{task}/turns_per_sample": float(batch["num_turns"][idx].float().mean()),
+                f"{prefix}/{task}/truncation_rate": float(batch["truncated"][idx].float().mean()),
+                f"{prefix}/{task}/num_samples": float(len(idx))}
+    return out
+
+
 def accuracy_summary(trainer: GRPOTrainer) -> str:
     vals = [(h["step"], h["val/accuracy"]) for h in trainer.history if "val/accuracy" in h]
     if not vals:
@@ -204,6 +236,40 @@ def accuracy_summary(trainer: GRPOTrainer) -> str:
 
 def dump_config(config: MasterConfig) -> dict:
     return json.loads(config.model_dump_json())
+
+
+# Sections a resumed run may change: how long to train and how to log/save/place it, not what.
+_RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
+                      "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
+                      "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.")
+    return out
+
+
+def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint written by a run with a different recipe (model, data, loss,
+    batch sizes...): continuing it silently would train something nobody asked for."""
+    from nemo_like.config import ConfigError
+
+    saved_path = checkpoint / "run_config.json"
+    if not saved_path.exists():
+        return
+    saved, now = _flat(json.loads(saved_path.read_text())), _flat(dump_config(config))
+    differ = sorted(k for k in set(saved) | set(now)
+                    if saved.get(k) != now.get(k) and not any(k == p or k.startswith(p) for p in _RESUMABLE_CHANGES))
+    if differ:
+        shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise ConfigError(f"checkpointing.checkpoint_dir={config.checkpointing.checkpoint_dir} holds a run with a "
+                          f"different config: {shown}{more}. Use another checkpoint_dir (and logger.log_dir), "
+                          "or delete it to start over")
 
 
 # ---- setup ------------------------------------------------------------------------------------
@@ -225,7 +291,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
 
     from nemo_like.data.datasets import load_dataset_from_config
 
-    from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
+    from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
     from nemo_like.environments.registry import create_env_actor
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.utils.logger import read_metrics_jsonl
@@ -238,6 +304,11 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     # Data files are read before Ray starts, so a malformed file fails in a second.
     train_rows = load_dataset_from_config(cfg.data.train)
     val_rows = load_dataset_from_config(cfg.data.validation) if cfg.data.validation else None
+    # So is a checkpoint_dir that belongs to a different run.
+    ckpt = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
+    latest = ckpt.get_latest_checkpoint_path() if (ckpt and resume) else None
+    if latest is not None:
+        check_resume_compatible(cfg, latest)
 
     def free() -> None:
         while resources:
@@ -248,7 +319,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
 
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
-            resources.append(ray.shutdown)
+            resources.append(lambda: shutdown_ray_if_started(True))
         cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                     gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
         resources.append(cluster.shutdown)
@@ -279,7 +350,6 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         logger = Logger(cfg.logger)
         resources.append(logger.close)
         logger.log_hyperparams(cfg)
-        ckpt = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
     except BaseException:
         free()
         raise
@@ -288,7 +358,6 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=EpochSampler(len(train_ds), seed=cfg.grpo.seed),
                           loss_fn=ClippedPGLossFn(cfg.loss_fn), _resources=resources)
-    latest = ckpt.get_latest_checkpoint_path() if (ckpt and resume) else None
     if latest is not None:
         trainer.load_checkpoint(latest)
         try:

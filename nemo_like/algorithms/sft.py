@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from nemo_like.utils.logger import progress_interval
+
 from nemo_like.algorithms.loss_functions import NLLLossFn
 from nemo_like.data.sampler import EpochSampler
 from nemo_like.experience.rollouts import flatten_message_logs
@@ -19,7 +21,8 @@ def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, mic
     sampler = EpochSampler(len(dataset), seed=seed)
     loss_fn = NLLLossFn()
     history = []
-    for step in tqdm(range(1, num_steps + 1), desc=desc, unit="step", dynamic_ncols=True):
+    for step in tqdm(range(1, num_steps + 1), desc=desc, unit="step", dynamic_ncols=True,
+                     mininterval=progress_interval()):
         datums = [dataset[i] for i in sampler.next_indices(batch_size)]
         data = flatten_message_logs([d["message_log"] for d in datums], pad_id)
         data["sample_mask"] = data["input_lengths"].new_tensor([d["loss_multiplier"] for d in datums]).float()

@@ -21,6 +21,8 @@ __all__ = ["register_env", "get_env_class", "create_env_actor", "registered_envs
 # name -> class or import path; resolved classes replace their paths on first use.
 _REGISTRY: dict[str, type | str] = {
     "math": "nemo_like.environments.math_environment.MathEnvironment",
+    "code": "nemo_like.environments.code_environment.CodeEnvironment",
+    "tool": "nemo_like.environments.tool_environment.ToolEnvironment",
 }
 _LOCK = threading.Lock()
 

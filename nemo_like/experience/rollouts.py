@@ -71,30 +71,122 @@ def calculate_rewards(message_logs: list[list[dict]], task_names: list[str], env
     return rewards, returns, metrics
 
 
-def run_single_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, tokenizer, envs: dict[str, Any],
-                            *, greedy: bool = False) -> tuple[BatchedDataDict, dict[str, float]]:
-    """Generate one assistant turn per sample, append it to the message log, grade it.
+def _turn_closer(tokenizer) -> str:
+    """What the chat template puts after an assistant message's content (ChatML: "<|im_end|>\\n")."""
+    marker = "\x00NEMO_LIKE\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "assistant", "content": marker}], tokenize=False)
+        return text.split(marker, 1)[1]
+    except Exception:  # a template that cannot render a lone assistant message
+        return (tokenizer.eos_token or "") + "\n"
 
-    Returns the batch with updated `message_log`, `total_reward` [B], `truncated` [B] and metrics."""
+
+def observation_token_ids(tokenizer, observation: dict, *, assistant_ended_with_eos: bool) -> torch.Tensor:
+    """Token ids that follow an assistant turn: the end of that turn (unless the model already
+    emitted EOS), the environment's message rendered by the chat template, and the next
+    assistant header. None of these tokens carry loss."""
+    closer = _turn_closer(tokenizer)
+    if assistant_ended_with_eos and tokenizer.eos_token and closer.startswith(tokenizer.eos_token):
+        closer = closer[len(tokenizer.eos_token):]
+    msg = {"role": observation.get("role", "environment"), "content": str(observation.get("content", ""))}
+    try:
+        body = tokenizer.apply_chat_template([msg], tokenize=False, add_generation_prompt=True)
+    except Exception:  # e.g. a template without a "tool" role: fall back to plain text
+        body = f"{msg['content']}\n"
+    ids = tokenizer(closer + body, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, tokenizer, envs: dict[str, Any],
+                           *, max_turns: int, max_seq_len: int, greedy: bool = False
+                           ) -> tuple[BatchedDataDict, dict[str, float]]:
+    """Generate, let each sample's environment answer, append its observation, repeat.
+
+    A sample stops when its environment says terminated, when the next turn would not fit in
+    `max_seq_len` (truncated, counted), or after `max_turns` assistant turns. Its reward is the
+    sum of the rewards its environment gave. Environment tokens are appended with loss off.
+    Single-turn tasks (every environment terminates at once) take exactly one turn.
+    """
+    n = len(batch["message_log"])
     message_logs = [copy.copy(log) for log in batch["message_log"]]
-    flat = flatten_message_logs(message_logs, tokenizer.pad_token_id)
-    gen = policy.generate(BatchedDataDict(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"]),
-                          greedy=greedy)
-    for i, log in enumerate(message_logs):
-        start = int(flat["input_lengths"][i])
-        end = int(gen["unpadded_sequence_lengths"][i])
-        ids = gen["output_ids"][i, start:end].clone()
-        log.append({"role": "assistant", "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
-                    "token_ids": ids, "generation_logprobs": gen["logprobs"][i, start:end].clone()})
-    rewards, _, env_metrics = calculate_rewards(message_logs, list(batch["task_name"]), list(batch["extra_env_info"]),
-                                                envs)
+    env_infos = [copy.copy(m) for m in batch["extra_env_info"]]
+    task_names = list(batch["task_name"])
+    stop_strings: list[list[str] | None] = list(batch["stop_strings"]) if "stop_strings" in batch else [None] * n
+    rewards = torch.zeros(n, dtype=torch.float32)
+    turns = torch.zeros(n, dtype=torch.long)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    terminated = torch.zeros(n, dtype=torch.bool)
+    gen_lengths = torch.zeros(n, dtype=torch.long)
+    env_metrics: dict[str, list[float]] = {}
+    active = list(range(n))
+    eos = tokenizer.eos_token_id
+    for _turn in range(max_turns):
+        if not active:
+            break
+        flat = flatten_message_logs([message_logs[i] for i in active], tokenizer.pad_token_id)
+        # No room for even one new token: the sample is over, truncated.
+        room = flat["input_lengths"] < max_seq_len
+        for j, i in enumerate(active):
+            if not room[j]:
+                truncated[i] = True
+        active = [i for j, i in enumerate(active) if room[j]]
+        if not active:
+            break
+        flat = flatten_message_logs([message_logs[i] for i in active], tokenizer.pad_token_id)
+        gen_in = BatchedDataDict(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
+        if any(stop_strings[i] for i in active):
+            gen_in["stop_strings"] = [stop_strings[i] for i in active]
+        gen = policy.generate(gen_in, greedy=greedy)
+        ended_eos = []
+        for j, i in enumerate(active):
+            start, end = int(flat["input_lengths"][j]), int(gen["unpadded_sequence_lengths"][j])
+            ids = gen["output_ids"][j, start:end].clone()
+            message_logs[i].append({"role": "assistant", "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+                                    "token_ids": ids, "generation_logprobs": gen["logprobs"][j, start:end].clone()})
+            turns[i] += 1
+            gen_lengths[i] += end - start
+            ended_eos.append(len(ids) > 0 and int(ids[-1]) == eos)
+            if bool(gen["truncated"][j]):
+                truncated[i] = True
+        _, returns, m = calculate_rewards([message_logs[i] for i in active], [task_names[i] for i in active],
+                                          [env_infos[i] for i in active], envs)
+        for k, v in m.items():
+            env_metrics.setdefault(k, []).append(v)
+        still = []
+        for j, i in enumerate(active):
+            ret = returns[j]
+            if ret is None:  # the environment failed: scored 0 (counted in calculate_rewards)
+                terminated[i] = True
+                continue
+            rewards[i] += float(ret.rewards[0])
+            if ret.metadata[0] is not None:
+                env_infos[i] = ret.metadata[0]
+            if bool(ret.terminateds[0]):
+                terminated[i] = True
+                continue
+            if truncated[i]:  # cut off mid-answer: no point in answering it
+                continue
+            obs_ids = observation_token_ids(tokenizer, ret.observations[0], assistant_ended_with_eos=ended_eos[j])
+            obs = dict(ret.observations[0]) | {"token_ids": obs_ids}
+            message_logs[i].append(obs)
+            stop_strings[i] = ret.next_stop_strings[0]
+            still.append(i)
+        active = still
     out = BatchedDataDict(batch)
     out["message_log"] = message_logs
+    out["extra_env_info"] = env_infos
     out["total_reward"] = rewards
-    out["truncated"] = gen["truncated"].bool()
-    out["generation_lengths"] = gen["generation_lengths"]
+    out["truncated"] = truncated
+    out["generation_lengths"] = gen_lengths
+    out["num_turns"] = turns
     metrics = {
-        "response_length_mean": float(gen["generation_lengths"].float().mean()),
-        "truncation_rate": float(gen["truncated"].float().mean()),
-    } | env_metrics
+        "response_length_mean": float(gen_lengths.float().mean()) if n else 0.0,
+        "truncation_rate": float(truncated.float().mean()) if n else 0.0,
+        "turns_per_sample": float(turns.float().mean()) if n else 0.0,
+        "unterminated_rate": float((~terminated).float().mean()) if n else 0.0,
+    }
+    # Counters ("num_*", "step_errors") add up over turns; rates and accuracies are averaged.
+    for k, vs in env_metrics.items():
+        leaf = k.rsplit("/", 1)[-1]
+        metrics[k] = sum(vs) if leaf.startswith("num_") or leaf == "step_errors" else sum(vs) / len(vs)
     return out, metrics

@@ -268,3 +268,9 @@ def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
             records.append(record)
     return records
+
+
+def progress_interval() -> float:
+    """Seconds between progress-bar redraws: live in a terminal, sparse when output goes to a file
+    or a CI log (every redraw would otherwise be a new line)."""
+    return 0.1 if sys.stderr.isatty() else 30.0

@@ -1,0 +1,338 @@
+"""Code grading: the reward rule ``run_tests_sandboxed`` and the ``CodeEnvironment`` actor class.
+
+The reward of a response is the fraction of its task's test snippets that pass when run after the
+program extracted from the response, in the sandbox of :mod:`nemo_like.environments.sandbox`
+(bubblewrap: no network, read-only root, private tmp, rlimits, wall-clock limit).
+
+Extraction rule (part of the reward spec, see :func:`extract_code`): the content of the LAST closed
+fenced block tagged ``python`` (or ``py``/``python3``); else the content of the last closed fenced
+block of any kind; else the whole response. Only the last block counts, so a policy gains nothing
+from writing several candidate programs.
+
+Scoring: each test (e.g. ``"assert add(1, 2) == 3"``) runs independently in the program's namespace;
+a failing test does not stop the others. A program that fails to run (SyntaxError, an exception at
+top level, ``sys.exit``), hangs, exits before the tests finish, prints more than the output cap or
+breaks a limit scores 0.0 as a whole.
+
+HumanEval items (``prompt``, ``test`` defining ``check(candidate)``, ``entry_point``) become one
+program (prompt + completion) and one test (``test`` + ``check(entry_point)``), see
+:func:`humaneval_program_and_tests`.
+
+This module imports neither torch nor ray at import time (torch only inside ``step``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxResult
+
+if TYPE_CHECKING:
+    from nemo_like.data.interfaces import LLMMessageLogType
+
+__all__ = [
+    "extract_code",
+    "run_tests_sandboxed",
+    "humaneval_program_and_tests",
+    "CodeEnvironment",
+]
+
+_PYTHON_TAGS = frozenset({"python", "py", "python3"})
+_IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# --------------------------------------------------------------------------------- extraction
+def extract_code(response: str) -> str:
+    """The program in a model response.
+
+    The content of the last closed fenced block whose info string starts with ``python``, ``py`` or
+    ``python3`` (case-insensitive); else that of the last closed fenced block of any kind (e.g.
+    untagged); else the whole response. A fence is ``` at any position followed by an info string up
+    to the end of its line; the block ends at the next ```. An unclosed final fence is not a block
+    (a truncated answer then usually fails to compile and scores 0). Linear time.
+    """
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    last_any: str | None = None
+    last_python: str | None = None
+    pos = 0
+    while True:
+        start = response.find("```", pos)
+        if start < 0:
+            break
+        eol = response.find("\n", start + 3)
+        if eol < 0:
+            break
+        end = response.find("```", eol + 1)
+        if end < 0:
+            break
+        info = response[start + 3 : eol].strip().split()
+        body = response[eol + 1 : end]
+        last_any = body
+        if info and info[0].lower() in _PYTHON_TAGS:
+            last_python = body
+        pos = end + 3
+    if last_python is not None:
+        return last_python
+    if last_any is not None:
+        return last_any
+    return response
+
+
+# --------------------------------------------------------------------------------- HumanEval
+def humaneval_program_and_tests(record: Mapping[str, Any], completion: str | None = None) -> tuple[str, list[str]]:
+    """A HumanEval record (``prompt``, ``test``, ``entry_point``) plus a completion -> (program, tests).
+
+    ``completion`` defaults to the record's ``canonical_solution``. If it defines ``entry_point`` at top
+    level (``def name(`` at the start of a line: the model rewrote the whole function), the program is
+    the prompt (for its imports and helpers) followed by the completion, whose definition wins;
+    otherwise the completion continues the prompt (HumanEval's own convention: a function body).
+    The single test is the record's ``test`` code followed by ``check(<entry_point>)``.
+    """
+    if not isinstance(record, Mapping):
+        raise TypeError(f"a HumanEval record must be a mapping, got {type(record).__name__}")
+    prompt, test, entry = record.get("prompt"), record.get("test"), record.get("entry_point")
+    if not isinstance(prompt, str) or not isinstance(test, str) or not isinstance(entry, str):
+        raise ValueError("a HumanEval record needs string fields 'prompt', 'test' and 'entry_point'")
+    if not _IDENTIFIER_RE.match(entry):
+        raise ValueError(f"entry_point must be a Python identifier, got {entry!r}")
+    if completion is None:
+        completion = record.get("canonical_solution")
+    if not isinstance(completion, str):
+        raise ValueError("no completion given and the record has no 'canonical_solution' string")
+    if re.search(rf"^(?:async\s+)?def\s+{re.escape(entry)}\s*\(", completion, re.MULTILINE):
+        program = prompt + "\n" + completion
+    else:
+        program = prompt + completion
+    return program, [f"{test}\ncheck({entry})\n"]
+
+
+# --------------------------------------------------------------------------------- grading rule
+_default_sandboxes: dict[float, Sandbox] = {}
+_default_lock = threading.Lock()
+
+
+def _default_sandbox(timeout_s: float) -> Sandbox:
+    with _default_lock:
+        sandbox = _default_sandboxes.get(timeout_s)
+        if sandbox is None:
+            sandbox = _default_sandboxes[timeout_s] = Sandbox(SandboxConfig(timeout_s=timeout_s))
+        return sandbox
+
+
+def run_tests_sandboxed(
+    program: str, tests: Sequence[str], *, timeout_s: float = 5.0, sandbox: Sandbox | None = None
+) -> float:
+    """Fraction of ``tests`` that pass after running ``program``, in the sandbox.
+
+    Each test is a code snippet (``"assert add(1, 2) == 3"``) run in the program's namespace,
+    independently of the others. 0.0 when the program fails, hangs past ``timeout_s``, breaks a
+    limit, when there are no tests, or when the arguments are not strings. ``sandbox`` defaults to a
+    shared default :class:`Sandbox` (raises SandboxUnavailableError if bubblewrap is unusable).
+    """
+    if not isinstance(program, str) or isinstance(tests, str):
+        return 0.0
+    try:
+        tests = list(tests)
+    except TypeError:
+        return 0.0
+    if not tests or not all(isinstance(t, str) for t in tests):
+        return 0.0
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    sandbox = sandbox if sandbox is not None else _default_sandbox(float(timeout_s))
+    return sandbox.run(program, tests, timeout_s=timeout_s).pass_fraction
+
+
+# -------------------------------------------------------------------------------- environment
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "timeout_s": 5.0,  # wall-clock limit of one program run (all its tests)
+    "max_concurrency": 2,  # programs run at once
+    "memory_limit_mb": 512,  # address-space limit of each program (0: none)
+    "max_processes": 16,  # processes + threads a program may have
+    "max_output_bytes": 65536,  # a program printing more is killed and scores 0
+    "reward_mode": "fraction",  # "fraction" of tests passed, or "all_or_nothing"
+    "allow_unsandboxed": False,  # without bubblewrap: rlimits only (warned) instead of an error
+    "bwrap_path": None,  # None: `bwrap` on PATH
+    "python_executable": None,  # None: the real interpreter behind sys.executable
+}
+_REWARD_MODES = ("fraction", "all_or_nothing")
+_MAX_TESTS = 1000  # per sample: more makes the sample malformed (bounds the result channel)
+
+
+class _BadItem(Exception):
+    pass
+
+
+def _last_assistant_content(message_log: Any) -> str:
+    for message in reversed(message_log):
+        if not isinstance(message, dict):
+            raise _BadItem(f"message is a {type(message).__name__}, not a dict")
+        if message.get("role") == "assistant":
+            content = message.get("content")
+            if not isinstance(content, str):
+                raise _BadItem(f"assistant content is a {type(content).__name__}")
+            return content
+    raise _BadItem("no assistant message")
+
+
+def _job(message_log: Any, meta: Any) -> tuple[str, list[str]]:
+    """(program, tests) of one sample, or _BadItem."""
+    response = _last_assistant_content(message_log)
+    if not isinstance(meta, Mapping):
+        raise _BadItem("metadata is not a dict")
+    code = extract_code(response)
+    if "entry_point" in meta or "test" in meta:  # HumanEval format
+        try:
+            return humaneval_program_and_tests(meta, code)
+        except (TypeError, ValueError) as e:
+            raise _BadItem(str(e)) from None
+    tests = meta.get("tests")
+    if isinstance(tests, (str, bytes, Mapping)) or not hasattr(tests, "__iter__"):
+        raise _BadItem("metadata has no 'tests' list (or HumanEval 'prompt'/'test'/'entry_point')")
+    tests = list(tests)  # a list, a tuple, or e.g. a numpy array of strings from a dataset
+    if not tests or len(tests) > _MAX_TESTS or not all(isinstance(t, str) for t in tests):
+        raise _BadItem(f"'tests' must be 1..{_MAX_TESTS} strings")
+    return code, tests
+
+
+def _observation(result: SandboxResult | None) -> str:
+    if result is None:
+        return "Environment: malformed sample, not graded"
+    n = len(result.tests_passed)
+    if result.status == "ok":
+        k = result.num_passed
+        return f"Environment: all {n} tests passed" if k == n else f"Environment: {k}/{n} tests passed"
+    if result.status == "timeout":
+        return "Environment: the program timed out"
+    if result.status == "output_limit":
+        return "Environment: the program printed too much output"
+    if result.status == "program_error":
+        return f"Environment: the program failed: {result.error[:200]}"
+    if result.status == "crashed":
+        return f"Environment: the program {result.error[:200]}"
+    return "Environment: the program could not be run"
+
+
+class CodeEnvironment(EnvironmentInterface):
+    """Grades the last assistant message of each sample by running its program against tests.
+
+    ``metadata[i]`` holds either ``tests`` (a list of code snippets, e.g. ``"assert f(3) == 10"``) or a
+    HumanEval record (``prompt``, ``test``, ``entry_point``). Config keys: ``timeout_s`` (5.0),
+    ``max_concurrency`` (2), ``memory_limit_mb`` (512), ``max_processes`` (16), ``max_output_bytes``
+    (65536), ``reward_mode`` ("fraction" | "all_or_nothing"), ``allow_unsandboxed`` (False),
+    ``bwrap_path`` (None), ``python_executable`` (None). Construction raises if bubblewrap is missing
+    (unless ``allow_unsandboxed``). Single turn: every sample terminates.
+
+    Never raises from :meth:`step`: a malformed sample scores 0 and counts in ``num_failures`` (as
+    does a run the sandbox itself could not start); a program over the time limit counts in
+    ``num_timeouts``. Metrics: ``accuracy`` (share of samples passing all their tests),
+    ``pass_fraction_mean``, ``num_failures``, ``num_timeouts``, ``num_runtime_errors`` (program
+    raised, exited early or was killed by a limit), ``num_output_limits``.
+    """
+
+    def __init__(self, config: dict | None = None) -> None:
+        config = {} if config is None else config
+        if not isinstance(config, dict):
+            raise TypeError(f"CodeEnvironment config must be a dict, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(_CONFIG_DEFAULTS))
+        if unknown:
+            raise ValueError(f"CodeEnvironment: unknown config keys {unknown}; allowed: {sorted(_CONFIG_DEFAULTS)}")
+        cfg = {**_CONFIG_DEFAULTS, **config}
+        if cfg["reward_mode"] not in _REWARD_MODES:
+            raise ValueError(f"CodeEnvironment: reward_mode must be one of {list(_REWARD_MODES)}, got {cfg['reward_mode']!r}")
+        try:
+            sandbox_config = SandboxConfig(
+                timeout_s=cfg["timeout_s"],
+                max_concurrency=cfg["max_concurrency"],
+                memory_limit_mb=cfg["memory_limit_mb"],
+                max_processes=cfg["max_processes"],
+                max_output_bytes=cfg["max_output_bytes"],
+                allow_unsandboxed=cfg["allow_unsandboxed"],
+                bwrap_path=cfg["bwrap_path"],
+                python_executable=cfg["python_executable"],
+            )
+        except ValueError as e:
+            raise ValueError(f"CodeEnvironment: {str(e).replace('SandboxConfig.', '')}") from None
+        self.config = cfg
+        self._sandbox = Sandbox(sandbox_config)  # raises SandboxUnavailableError without bubblewrap
+
+    @property
+    def sandbox_mode(self) -> str:
+        """"bwrap" or "unsandboxed"."""
+        return self._sandbox.mode
+
+    def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
+        try:
+            batch = list(message_log_batch)
+        except Exception:
+            batch = []
+        try:
+            meta = list(metadata) if metadata is not None else []
+        except Exception:
+            meta = []
+        n = len(batch)
+        meta = (meta + [None] * n)[:n]
+        rewards = [0.0] * n
+        fractions = [0.0] * n
+        results: list[SandboxResult | None] = [None] * n
+        counts = {"failures": 0, "timeouts": 0, "runtime_errors": 0, "output_limits": 0}
+        try:
+            jobs: list[tuple[str, list[str]]] = []
+            rows: list[int] = []
+            for i in range(n):
+                try:
+                    jobs.append(_job(batch[i], meta[i]))
+                    rows.append(i)
+                except Exception:  # _BadItem, or a message log that is not even iterable
+                    counts["failures"] += 1
+            if jobs:
+                try:
+                    outcomes = self._sandbox.run_many(jobs)
+                except Exception as e:  # e.g. cannot start threads: score 0, keep training
+                    outcomes = [SandboxResult("sandbox_error", [False] * len(t), error=repr(e)) for _, t in jobs]
+                all_or_nothing = self.config["reward_mode"] == "all_or_nothing"
+                for i, result in zip(rows, outcomes):
+                    results[i] = result
+                    fractions[i] = result.pass_fraction
+                    rewards[i] = float(result.all_passed) if all_or_nothing else result.pass_fraction
+                    if result.status == "timeout":
+                        counts["timeouts"] += 1
+                    elif result.status == "output_limit":
+                        counts["output_limits"] += 1
+                    elif result.status in ("program_error", "crashed"):
+                        counts["runtime_errors"] += 1
+                    elif result.status == "sandbox_error":
+                        counts["failures"] += 1
+        except Exception:  # last line of defence: step must never raise into the trainer
+            rewards = [0.0] * n
+            fractions = [0.0] * n
+            results = [None] * n
+            counts = {"failures": n, "timeouts": 0, "runtime_errors": 0, "output_limits": 0}
+
+        import torch  # lazily: importing this module must stay cheap
+
+        accuracy = sum(1 for r in results if r is not None and r.all_passed) / n if n else 0.0
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": _observation(r)} for r in results],
+            metadata=meta,
+            next_stop_strings=[None] * n,
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            metrics={
+                "num_failures": float(counts["failures"]),
+                "num_timeouts": float(counts["timeouts"]),
+                "num_runtime_errors": float(counts["runtime_errors"]),
+                "num_output_limits": float(counts["output_limits"]),
+                "accuracy": float(accuracy),
+                "pass_fraction_mean": float(sum(fractions) / n) if n else 0.0,
+            },
+        )
+
+    def shutdown(self) -> None:
+        """Nothing to release: every run's processes are gone when its ``run`` returns."""

@@ -1,0 +1,779 @@
+"""Run untrusted Python programs (model-written code) in a sandbox, one process per program.
+
+Isolation (the default, "bwrap" mode; needs bubblewrap: ``apt-get install -y bubblewrap``)
+--------------------------------------------------------------------------------------------
+Every program runs in a fresh ``bwrap`` container:
+
+* **files**: the host root is mounted read-only; ``/tmp`` (the cwd) and ``/dev/shm`` are private,
+  size-capped tmpfs that vanish with the run; the homes (``/root``, ``/home``), ``/work``, ``/run``
+  (docker secrets), ``/var/tmp``, ``/mnt``, ``/media``, ``/srv``, the project directory, the
+  trainer's cwd and temp dir are hidden behind empty tmpfs. Only the interpreter's own install is
+  bound back (read-only) when it lives under a hidden directory.
+* **namespaces**: new network (loopback only: nothing outside, not even the host's localhost, is
+  reachable), pid (the program sees only its own processes, so it cannot signal the trainer), ipc,
+  uts and cgroup namespaces.
+* **environment**: ``PATH``, ``LANG`` and ``HOME`` only; nothing (no secrets) inherited from the trainer.
+* **privileges**: as root, bwrap runs privileged (no user namespace) and the trusted prelude drops to
+  a *fresh unprivileged uid per run* before any untrusted code: RLIMIT_NPROC is not enforced for
+  root, while for a fresh uid it counts exactly this run's processes; the program can then read only
+  world-readable files and cannot signal anything outside. As a normal user, bwrap runs unprivileged
+  in a new user namespace (RLIMIT_NPROC then counts per namespace) with nested user namespaces
+  disabled where bwrap supports it. bwrap always sets ``no_new_privs``.
+* **rlimits** (set by the prelude before untrusted code): CPU seconds, address space, processes,
+  file size, open files, no core dumps.
+* **wall clock**: each run is its own process group (``start_new_session``); on timeout the group is
+  SIGKILLed, and ``--die-with-parent`` plus the pid namespace take every process in the container
+  with it.
+* **output**: stdout+stderr are read with a cap; a program that prints more than
+  ``max_output_bytes`` is killed at once (status ``output_limit``), so a program printing gigabytes
+  costs neither memory nor time.
+
+Unsandboxed mode (``allow_unsandboxed=True`` and no usable bwrap) runs the same prelude directly with
+the rlimits, a clean environment, a fresh temp dir as cwd and the process-group kill, but with NO
+file, network or process isolation. It exists for machines where bubblewrap cannot be installed;
+it warns once. Never point it at a model you do not trust.
+
+Grading protocol
+----------------
+The trainer sends ``{nonce, program, tests, limits, uid}`` as JSON on stdin to a small trusted
+prelude (:data:`_PRELUDE`), which sets the limits, drops privileges, runs ``program`` in a fresh
+namespace dict (``__name__ == "__solution__"``, as in HumanEval, so an ``if __name__ == "__main__":``
+block does not run), then each test snippet in that namespace, each independently. Results go out on
+a private channel (the original stderr pipe; the program's stderr goes to stdout) as lines tagged
+with a random per-run nonce; a run counts only if the prelude reports reaching the end ("done").
+Exiting early (``sys.exit``, ``os._exit``), crashing or exceeding a limit therefore scores 0.
+
+Limitation: the program and its tests share one interpreter, so a program written to attack the
+harness itself (e.g. walking the garbage collector to find the nonce, or returning objects whose
+``__eq__`` always says True) could forge passes. The sandbox protects the host, not the reward against
+a deliberately adversarial program; this is the same trust model as HumanEval's own harness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+__all__ = [
+    "SandboxConfig",
+    "SandboxResult",
+    "Sandbox",
+    "SandboxUnavailableError",
+    "run_many",
+    "BWRAP_INSTALL_HINT",
+]
+
+logger = logging.getLogger(__name__)
+
+BWRAP_INSTALL_HINT = "install bubblewrap, e.g. `apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
+
+# Statuses of a run. Only "ok" means the prelude ran every test; everything else scores 0.
+STATUSES = ("ok", "program_error", "crashed", "timeout", "output_limit", "sandbox_error")
+
+# When the trainer is root, each run gets a fresh uid from this range (above systemd's container
+# ranges, below 2**31): RLIMIT_NPROC then counts only that run's processes.
+_UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
+
+_SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+_DEFAULT_HIDDEN = ("/root", "/home", "/work", "/run", "/var/tmp", "/mnt", "/media", "/srv")
+_RESULT_LINE_CAP = 512  # bytes per result line the parent keeps (the prelude writes at most ~350)
+
+_warned_unsandboxed = False
+_warn_lock = threading.Lock()
+
+
+class SandboxUnavailableError(RuntimeError):
+    """bubblewrap is missing or unusable here and the config does not allow the unsandboxed mode."""
+
+
+# The trusted harness that runs inside the sandbox before (and around) the untrusted program.
+# Everything it needs after the program has run is bound to locals first, so a program that
+# replaces builtins or module attributes (os.write, enumerate...) cannot change how results are
+# reported. Marker for tests: _nemo_like_sandbox_harness.
+_PRELUDE = r'''
+import os, sys
+def _nemo_like_sandbox_harness():
+    import builtins, json, resource
+    _write, _exit, _exec, _compile, _len = os.write, os._exit, exec, compile, len
+    _type, _str, _base = type, str, BaseException
+    p = json.loads(sys.stdin.buffer.read())
+    nonce = p.pop("nonce").encode()
+    res = os.dup(2)                 # private result channel: the original stderr pipe
+    os.dup2(1, 2)                   # the program's stderr goes to stdout with its prints
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+
+    def emit(kind, i=-1, info=""):
+        try:
+            text = info.encode("utf-8", "replace")[:300].replace(b"\n", b" ").replace(b"\r", b" ")
+        except _base:
+            text = b""
+        _write(res, b"%s %s %d %s\n" % (nonce, kind, i, text))
+
+    def describe(e):
+        try:
+            return "%s: %s" % (_type(e).__name__, _str(e))
+        except _base:
+            return "exception"
+
+    for name, value in p["limits"]:
+        resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
+    uid = p["uid"]
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
+            _exit(121)
+    program, tests = p["program"], p["tests"]
+    n = _len(tests)
+    del p
+    emit(b"ready")
+    g = {"__name__": "__solution__", "__builtins__": builtins}
+    try:
+        _exec(_compile(program, "<program>", "exec", dont_inherit=True), g)
+    except _base as e:
+        emit(b"program_error", -1, describe(e))
+        _exit(1)
+    emit(b"program_ok")
+    i = 0
+    while i < n:
+        try:
+            _exec(_compile(tests[i], "<test %d>" % i, "exec", dont_inherit=True), g)
+        except _base as e:
+            emit(b"fail", i, describe(e))
+        else:
+            emit(b"pass", i)
+        i += 1
+    emit(b"done")
+    try:
+        sys.stdout.flush()
+    except _base:
+        pass
+    _exit(0)
+_nemo_like_sandbox_harness()
+'''
+
+
+# ------------------------------------------------------------------------------------ config
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and mode of a :class:`Sandbox`. All sizes are per run.
+
+    timeout_s: wall-clock limit of one run (startup included). cpu_time_s: RLIMIT_CPU (None:
+    ``ceil(timeout_s) + 1``). memory_limit_mb: RLIMIT_AS (0: none). max_processes: RLIMIT_NPROC
+    (processes and threads). max_file_size_mb: RLIMIT_FSIZE. max_open_files: RLIMIT_NOFILE.
+    max_output_bytes: stdout+stderr cap (more kills the run). tmp_size_mb: size of the private
+    ``/tmp`` and ``/dev/shm`` (bwrap >= 0.7). max_concurrency: runs at once in one Sandbox.
+    bwrap_path: the bwrap binary (None: ``bwrap`` on PATH). python_executable: the interpreter (None:
+    the real base interpreter behind ``sys.executable``; it runs with ``-I -S -B``, so the project's
+    venv is not needed). hidden_paths: more host directories to hide. allow_unsandboxed: fall back
+    to the rlimit-only mode (warned once) when bwrap is missing or unusable, instead of raising.
+    """
+
+    timeout_s: float = 5.0
+    cpu_time_s: float | None = None
+    memory_limit_mb: int = 512
+    max_processes: int = 16
+    max_file_size_mb: int = 16
+    max_open_files: int = 64
+    max_output_bytes: int = 64 * 1024
+    tmp_size_mb: int = 64
+    max_concurrency: int = 2
+    bwrap_path: str | None = None
+    python_executable: str | None = None
+    hidden_paths: tuple[str, ...] = ()
+    allow_unsandboxed: bool = False
+
+    def __post_init__(self) -> None:
+        def positive_number(name: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"SandboxConfig.{name} must be a positive number, got {value!r}")
+
+        def int_at_least(name: str, value: Any, low: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SandboxConfig.{name} must be an int >= {low}, got {value!r}")
+
+        positive_number("timeout_s", self.timeout_s)
+        if self.cpu_time_s is not None:
+            positive_number("cpu_time_s", self.cpu_time_s)
+        int_at_least("memory_limit_mb", self.memory_limit_mb, 0)
+        int_at_least("max_processes", self.max_processes, 1)
+        int_at_least("max_file_size_mb", self.max_file_size_mb, 1)
+        int_at_least("max_open_files", self.max_open_files, 16)
+        int_at_least("max_output_bytes", self.max_output_bytes, 1)
+        int_at_least("tmp_size_mb", self.tmp_size_mb, 1)
+        int_at_least("max_concurrency", self.max_concurrency, 1)
+        for name in ("bwrap_path", "python_executable"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"SandboxConfig.{name} must be a non-empty string or None, got {value!r}")
+        if isinstance(self.hidden_paths, str) or not all(
+            isinstance(p, str) and os.path.isabs(p) for p in self.hidden_paths
+        ):
+            raise ValueError(f"SandboxConfig.hidden_paths must be absolute path strings, got {self.hidden_paths!r}")
+        object.__setattr__(self, "hidden_paths", tuple(self.hidden_paths))
+        if not isinstance(self.allow_unsandboxed, bool):
+            raise ValueError(f"SandboxConfig.allow_unsandboxed must be a bool, got {self.allow_unsandboxed!r}")
+
+    def limits(self, timeout_s: float) -> list[tuple[str, int]]:
+        """(rlimit name, value) pairs the prelude applies."""
+        cpu = self.cpu_time_s if self.cpu_time_s is not None else math.ceil(timeout_s) + 1
+        out = [
+            ("RLIMIT_CPU", max(1, math.ceil(cpu))),
+            ("RLIMIT_NPROC", self.max_processes),
+            ("RLIMIT_FSIZE", self.max_file_size_mb << 20),
+            ("RLIMIT_NOFILE", self.max_open_files),
+            ("RLIMIT_CORE", 0),
+        ]
+        if self.memory_limit_mb:
+            out.append(("RLIMIT_AS", self.memory_limit_mb << 20))
+        return out
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    """Outcome of one run.
+
+    status: "ok" (the prelude ran every test; individual tests may still have failed),
+    "program_error" (the program raised, incl. SyntaxError/SystemExit/MemoryError),
+    "crashed" (exited without finishing: os._exit, a signal, a CPU/file-size limit),
+    "timeout", "output_limit", or "sandbox_error" (the sandbox itself failed to start).
+    """
+
+    status: str
+    tests_passed: list[bool]
+    output: str = ""  # the program's stdout+stderr, at most max_output_bytes
+    returncode: int | None = None
+    duration_s: float = 0.0
+    error: str = ""  # what went wrong: the exception, the signal, bwrap's message...
+    test_errors: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_passed(self) -> int:
+        return sum(self.tests_passed) if self.status == "ok" else 0
+
+    @property
+    def pass_fraction(self) -> float:
+        """Fraction of tests passed; 0.0 unless status is "ok" or when there are no tests."""
+        n = len(self.tests_passed)
+        return self.num_passed / n if n and self.status == "ok" else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return self.status == "ok" and bool(self.tests_passed) and all(self.tests_passed)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _bwrap_version(bwrap: str) -> tuple[int, ...]:
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10, env=_SAFE_ENV)
+    except (OSError, subprocess.SubprocessError):
+        return (0,)
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out.stdout + out.stderr)
+    return tuple(int(g or 0) for g in m.groups()) if m else (0,)
+
+
+def _default_python() -> str:
+    """The real interpreter behind this process (through venv symlinks): it runs isolated (-I -S)."""
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    return os.path.realpath(base)
+
+
+def _interpreter_dirs(python: str) -> list[str]:
+    """Directories the interpreter needs: its prefixes and the directory of its binary."""
+    code = "import sys; print(sys.base_prefix); print(sys.base_exec_prefix); print(sys.executable)"
+    try:
+        out = subprocess.run(
+            [python, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=30, env=_SAFE_ENV, cwd="/"
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailableError(f"cannot run the sandbox interpreter {python!r}: {e}") from e
+    lines = out.stdout.splitlines()
+    if out.returncode != 0 or len(lines) < 3:
+        raise SandboxUnavailableError(
+            f"the sandbox interpreter {python!r} does not work (exit {out.returncode}): {out.stderr.strip()[:500]}"
+        )
+    dirs = [os.path.realpath(lines[0]), os.path.realpath(lines[1]), os.path.dirname(os.path.realpath(python))]
+    return _dedupe_nested(dirs)
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _dedupe_nested(paths: Sequence[str]) -> list[str]:
+    """Drop duplicates and paths inside another path of the list (shortest first)."""
+    out: list[str] = []
+    for p in sorted({os.path.normpath(p) for p in paths}, key=len):
+        if p != "/" and not any(_is_within(p, q) for q in out):
+            out.append(p)
+    return out
+
+
+def _project_root() -> str:
+    # nemo_like/environments/sandbox.py -> the directory holding the nemo_like package
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+
+def _hidden_roots(extra: Sequence[str]) -> list[str]:
+    candidates = list(_DEFAULT_HIDDEN) + list(extra) + [_project_root(), tempfile.gettempdir()]
+    for getter in (os.getcwd, lambda: os.path.expanduser("~")):
+        try:
+            candidates.append(getter())
+        except OSError:
+            pass
+    real = []
+    for p in candidates:
+        try:
+            rp = os.path.realpath(p)
+        except OSError:
+            continue
+        # /tmp and /dev get their own private mounts; / itself cannot be hidden
+        if rp in ("/", "/tmp", "/dev", "/proc") or _is_within(rp, "/dev") or _is_within(rp, "/proc"):
+            continue
+        if _is_within(rp, "/tmp"):
+            continue  # under the private /tmp already
+        if os.path.isdir(rp):
+            real.append(rp)
+    return _dedupe_nested(real)
+
+
+def _warn_unsandboxed_once(reason: str) -> None:
+    global _warned_unsandboxed
+    with _warn_lock:
+        if _warned_unsandboxed:
+            return
+        _warned_unsandboxed = True
+    msg = (
+        f"nemo_like sandbox: {reason}; running model-written programs WITHOUT isolation "
+        "(rlimits and a clean environment only: they can read your files, reach the network and signal "
+        f"your processes) because allow_unsandboxed is true. To isolate them, {BWRAP_INSTALL_HINT}."
+    )
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    logger.warning(msg)
+
+
+# ------------------------------------------------------------------------------------ sandbox
+class Sandbox:
+    """Runs programs (plus optional test snippets) under :class:`SandboxConfig`'s limits.
+
+    Thread-safe: at most ``config.max_concurrency`` runs execute at once, whichever threads call
+    :meth:`run`. Construction checks that the sandbox really works (one tiny run) and raises
+    :class:`SandboxUnavailableError` with the reason if not, unless ``allow_unsandboxed``.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = SandboxConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        if not isinstance(config, SandboxConfig):
+            raise TypeError(f"Sandbox config must be a SandboxConfig, got {type(config).__name__}")
+        self.config = config
+        self.python = config.python_executable or _default_python()
+        self._slots = threading.BoundedSemaphore(config.max_concurrency)
+        self._active_lock = threading.Lock()
+        self._active = 0
+        self.peak_concurrency = 0  # most runs seen executing at once (for monitoring and tests)
+        self._is_root = os.geteuid() == 0
+        self.mode = "bwrap"
+        self._bwrap_argv_head: list[str] = []
+        reason = self._setup_bwrap()
+        if reason is not None:
+            if not config.allow_unsandboxed:
+                raise SandboxUnavailableError(
+                    f"{reason}. The code sandbox needs bubblewrap: {BWRAP_INSTALL_HINT}; or set "
+                    "allow_unsandboxed: true to run programs with rlimits only (NOT isolated; only for "
+                    "code you trust)."
+                )
+            _warn_unsandboxed_once(reason)
+            self.mode = "unsandboxed"
+            if not os.access(self.python, os.X_OK):
+                raise SandboxUnavailableError(f"the sandbox interpreter {self.python!r} is not executable")
+
+    # -------------------------------------------------------------------------- bwrap setup
+    def _setup_bwrap(self) -> str | None:
+        """Build the bwrap command prefix and self-test it; returns why bwrap cannot be used, or None."""
+        cfg = self.config
+        if cfg.bwrap_path is not None:
+            bwrap = cfg.bwrap_path
+            if not (os.path.isfile(bwrap) and os.access(bwrap, os.X_OK)):
+                return f"bubblewrap not found: bwrap_path {bwrap!r} is not an executable file"
+        else:
+            bwrap = shutil.which("bwrap") or ""
+            if not bwrap:
+                return "bubblewrap (`bwrap`) is not installed (not found on PATH)"
+        version = _bwrap_version(bwrap)
+        try:
+            interpreter_dirs = _interpreter_dirs(self.python)
+        except SandboxUnavailableError as e:
+            return str(e)
+        hidden = _hidden_roots(cfg.hidden_paths)
+        size = ["--size", str(cfg.tmp_size_mb << 20)] if version >= (0, 7) else []
+        argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        if self._is_root:
+            # privileged bwrap without a user namespace; the prelude needs these two to drop to the
+            # run's uid (after which it holds no capabilities at all)
+            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        else:
+            argv += ["--unshare-user"] + (["--disable-userns"] if version >= (0, 8) else [])
+        argv += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        argv += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "1777", *size, "--tmpfs", "/dev/shm"]
+        outer = [h for h in hidden if not any(_is_within(h, d) for d in interpreter_dirs)]
+        inner = [h for h in hidden if h not in outer]
+        for h in outer:
+            argv += ["--tmpfs", h]
+        made: set[str] = set()
+        for d in interpreter_dirs:
+            roots = [h for h in outer if _is_within(d, h) and h != d]
+            if not roots and d not in outer:
+                continue  # visible through the read-only root already
+            # recreate the path's directories world-traversable (bwrap would make them 0700,
+            # which the dropped uid could not enter), then bind the install back read-only
+            root = max(roots, key=len) if roots else d
+            rel = os.path.relpath(d, root).split(os.sep) if d != root else []
+            cur = root
+            for part in rel[:-1]:
+                cur = os.path.join(cur, part)
+                if cur not in made:
+                    made.add(cur)
+                    argv += ["--perms", "0755", "--dir", cur]
+            argv += ["--ro-bind", d, d]
+        for h in inner:
+            argv += ["--tmpfs", h]
+        argv += ["--chdir", "/tmp"]
+        if version >= (0, 6):
+            argv += ["--clearenv"]
+        for k, v in {**_SAFE_ENV, "HOME": "/tmp"}.items():
+            argv += ["--setenv", k, v]
+        self._bwrap_argv_head = argv
+        self._bwrap = bwrap
+        # self-test: a real run, which imports a module after the privilege drop
+        probe = self._run_one("import fractions\nx = fractions.Fraction(1, 2)\n", ["assert x * 2 == 1"], 30.0)
+        if probe.status != "ok" or probe.tests_passed != [True]:
+            detail = probe.error or probe.output
+            hint = ""
+            if "uid map" in detail or "setting up uid" in detail or "Operation not permitted" in detail:
+                hint = " (unprivileged user namespaces may be disabled here; run as root or enable them)"
+            elif "Permission denied" in detail or "No module named" in detail:
+                hint = " (the interpreter must be readable by an unprivileged user; set python_executable, e.g. /usr/bin/python3)"
+            return f"bubblewrap at {bwrap!r} does not work here: {probe.status}: {detail.strip()[:600]}{hint}"
+        return None
+
+    def _argv(self) -> list[str]:
+        tail = [self.python, "-I", "-S", "-B", "-c", _PRELUDE]
+        return self._bwrap_argv_head + tail if self.mode == "bwrap" else tail
+
+    # -------------------------------------------------------------------------- running
+    def run(self, program: str, tests: Sequence[str] = (), *, timeout_s: float | None = None) -> SandboxResult:
+        """Run ``program`` then each test snippet in its namespace. Blocks for a free slot first.
+
+        Never raises for anything the program does; an OS failure to start the run (e.g. no pids
+        left) comes back as status "sandbox_error".
+        """
+        if not isinstance(program, str):
+            raise TypeError(f"program must be a str, got {type(program).__name__}")
+        tests = list(tests)
+        if not all(isinstance(t, str) for t in tests):
+            raise TypeError("tests must be strings")
+        timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        with self._slots:
+            with self._active_lock:
+                self._active += 1
+                self.peak_concurrency = max(self.peak_concurrency, self._active)
+            try:
+                return self._run_one(program, tests, timeout)
+            finally:
+                with self._active_lock:
+                    self._active -= 1
+
+    def run_many(
+        self,
+        jobs: Sequence[tuple[str, Sequence[str]]],
+        *,
+        max_concurrency: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[SandboxResult]:
+        """Run ``(program, tests)`` jobs concurrently, at most ``max_concurrency`` at once (and never more
+        than ``config.max_concurrency``); results in job order."""
+        jobs = list(jobs)
+        if not jobs:
+            return []
+        n = self.config.max_concurrency if max_concurrency is None else max_concurrency
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        n = min(n, self.config.max_concurrency, len(jobs))
+
+        def one(job: tuple[str, Sequence[str]]) -> SandboxResult:
+            program, tests = job
+            try:
+                return self.run(program, tests, timeout_s=timeout_s)
+            except Exception as e:  # a bad job (not strings) must not sink its batch
+                return SandboxResult("sandbox_error", [False] * _safe_len(tests), error=f"{type(e).__name__}: {e}")
+
+        if n == 1:
+            return [one(j) for j in jobs]
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sandbox") as pool:
+            return list(pool.map(one, jobs))
+
+    def _run_one(self, program: str, tests: list[str], timeout: float) -> SandboxResult:
+        cfg = self.config
+        nonce = secrets.token_hex(16)
+        uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if (self._is_root and self.mode == "bwrap") else None
+        payload = json.dumps(
+            {"nonce": nonce, "program": program, "tests": tests, "limits": cfg.limits(timeout), "uid": uid}
+        ).encode()
+        env = {**_SAFE_ENV, "HOME": "/tmp"}
+        workdir = None
+        if self.mode == "unsandboxed":
+            workdir = tempfile.mkdtemp(prefix="nemo_like_sbx_")
+            env["HOME"] = env["TMPDIR"] = workdir
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                self._argv(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=workdir or "/",
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as e:
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+            return SandboxResult("sandbox_error", [False] * len(tests), error=f"cannot start the sandbox: {e}")
+        try:
+            out, results, flag, timed_out = self._communicate(proc, payload, start + timeout, len(tests))
+        finally:
+            try:  # kill whatever is left of the group *before* reaping, so the pgid cannot be reused
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                try:
+                    stream.close()  # type: ignore[union-attr]
+                except Exception:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS
+                pass
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        duration = time.monotonic() - start
+        return self._interpret(nonce, out, results, flag, timed_out, proc.returncode, len(tests), duration)
+
+    def _communicate(
+        self, proc: subprocess.Popen, payload: bytes, deadline: float, n_tests: int
+    ) -> tuple[bytes, bytes, str | None, bool]:
+        """Feed stdin and read both pipes with caps until the process exits or the deadline passes.
+
+        Returns (program output, result channel, "output_limit" or None, timed_out). Never blocks past
+        the deadline: all pipes are non-blocking and the process exit is watched through a pidfd
+        (polling waitid without reaping where pidfds are unavailable).
+        """
+        out_cap = self.config.max_output_bytes
+        res_cap = 4096 + _RESULT_LINE_CAP * (n_tests + 4)
+        out, res = bytearray(), bytearray()
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        sel = selectors.DefaultSelector()
+        fds = {"in": proc.stdin.fileno(), "out": proc.stdout.fileno(), "res": proc.stderr.fileno()}
+        for fd in fds.values():
+            os.set_blocking(fd, False)
+        view = memoryview(payload)
+        if view:
+            sel.register(fds["in"], selectors.EVENT_WRITE, "in")
+        else:
+            proc.stdin.close()
+        sel.register(fds["out"], selectors.EVENT_READ, "out")
+        sel.register(fds["res"], selectors.EVENT_READ, "res")
+        pidfd = None
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+        except (AttributeError, OSError):
+            pidfd = None
+        exited_at: float | None = None
+        flag: str | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if exited_at is None and pidfd is None and _exited(proc.pid):
+                    exited_at = now
+                open_pipes = any(k.data in ("out", "res") for k in sel.get_map().values())
+                if exited_at is not None and (not open_pipes or now - exited_at > 0.25):
+                    return bytes(out), bytes(res), flag, False  # exited (stragglers get 0.25 s to flush)
+                if now >= deadline:
+                    return bytes(out), bytes(res), flag, True
+                wait = deadline - now
+                if pidfd is None:
+                    wait = min(wait, 0.02)
+                if exited_at is not None:
+                    wait = min(wait, 0.05)
+                for key, _ in sel.select(wait):
+                    what = key.data
+                    if what == "exit":
+                        sel.unregister(key.fd)
+                        exited_at = time.monotonic()
+                    elif what == "in":
+                        try:
+                            written = os.write(key.fd, view[:65536])
+                            view = view[written:]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the sandbox died before reading everything
+                            view = view[:0]
+                        if not view:
+                            sel.unregister(key.fd)
+                            proc.stdin.close()
+                    else:
+                        try:
+                            chunk = os.read(key.fd, 65536)
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            chunk = b""
+                        if not chunk:
+                            sel.unregister(key.fd)
+                            continue
+                        buf, cap = (out, out_cap) if what == "out" else (res, res_cap)
+                        room = cap - len(buf)
+                        buf += chunk[: max(room, 0)]
+                        if len(chunk) > room:
+                            flag = "output_limit"
+                            return bytes(out), bytes(res), flag, False
+        finally:
+            sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def _interpret(
+        self,
+        nonce: str,
+        out: bytes,
+        res: bytes,
+        flag: str | None,
+        timed_out: bool,
+        returncode: int | None,
+        n_tests: int,
+        duration: float,
+    ) -> SandboxResult:
+        tag = nonce.encode()
+        events: list[tuple[str, int, str]] = []
+        other: list[str] = []
+        for line in res.splitlines():
+            parts = line.split(b" ", 3)
+            if len(parts) >= 3 and parts[0] == tag:
+                try:
+                    index = int(parts[2])
+                except ValueError:
+                    continue
+                info = parts[3].decode("utf-8", "replace") if len(parts) > 3 else ""
+                events.append((parts[1].decode("ascii", "replace"), index, info))
+            elif line.strip():
+                other.append(line.decode("utf-8", "replace"))
+        kinds = {k for k, _, _ in events}
+        passed = [False] * n_tests
+        test_errors: dict[int, str] = {}
+        for kind, index, info in events:
+            if 0 <= index < n_tests:
+                if kind == "pass":
+                    passed[index] = True
+                elif kind == "fail":
+                    test_errors[index] = info
+        text = out.decode("utf-8", "replace")
+        error = ""
+        if flag == "output_limit":
+            status, error = "output_limit", f"output exceeded {self.config.max_output_bytes} bytes"
+        elif "done" in kinds:
+            status = "ok"
+        elif timed_out:
+            status, error = "timeout", "wall-clock limit exceeded"
+        elif "ready" not in kinds:
+            status, error = "sandbox_error", "\n".join(other)[-2000:] or f"sandbox exited with {returncode}"
+        elif "program_error" in kinds:
+            status = "program_error"
+            error = next(info for kind, _, info in events if kind == "program_error")
+        else:
+            status = "crashed"
+            error = _describe_exit(returncode)
+        if status != "ok":
+            passed = [False] * n_tests
+        return SandboxResult(
+            status=status,
+            tests_passed=passed,
+            output=text,
+            returncode=returncode,
+            duration_s=duration,
+            error=error,
+            test_errors=test_errors,
+        )
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited, without reaping it (its pid and pgid stay reserved)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "did not exit"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exited with code {returncode} before finishing"
+
+
+def _safe_len(x: Any) -> int:
+    try:
+        return len(x)
+    except Exception:
+        return 0
+
+
+def run_many(
+    jobs: Sequence[tuple[str, Sequence[str]]],
+    *,
+    max_concurrency: int = 2,
+    sandbox: Sandbox | None = None,
+    **config: Any,
+) -> list[SandboxResult]:
+    """Run ``(program, tests)`` jobs with at most ``max_concurrency`` at once.
+
+    Uses ``sandbox`` or a new :class:`Sandbox` built from ``config`` (keyword arguments of
+    :class:`SandboxConfig`).
+    """
+    if sandbox is None:
+        config.setdefault("max_concurrency", max_concurrency)
+        sandbox = Sandbox(SandboxConfig(**config))
+    return sandbox.run_many(jobs, max_concurrency=max_concurrency)

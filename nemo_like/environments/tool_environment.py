@@ -1,0 +1,578 @@
+"""Multi-turn tool calling: the strict tool-call parser and the ``ToolEnvironment`` actor class.
+
+Conversation protocol (Hermes/Qwen convention). The assistant calls tools with one or more blocks
+
+    <tool_call>{"name": "mul", "arguments": {"a": 37, "b": 4}}</tool_call>
+
+and the environment answers with one ``{"role": "tool", "content": ...}`` message holding one
+``<tool_response>RESULT</tool_response>`` per call, in call order, joined by newlines, where RESULT
+is the tool's return value as compact JSON (``148``, ``"text"``) or ``{"error": "..."}``. An
+assistant message without any ``<tool_call>`` is the final answer and ends the episode.
+
+The parser is part of the reward spec, so it is strict: every block must be closed, hold exactly one
+JSON object with a string ``name`` and an object ``arguments`` (no other keys, no duplicate keys, no
+NaN/Infinity), and a message with any malformed block runs none of its calls (an error observation
+instead; the episode continues until ``max_turns``). Parsing is linear in the message length and
+refuses messages, blocks, nesting and call counts over fixed limits, so hostile text costs nothing.
+
+This module imports neither torch nor ray at import time (torch lazily, to build the reward tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from collections import Counter
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.environments.tools import DEFAULT_TOOLS, Tool, resolve_tool, validate_arguments
+
+if TYPE_CHECKING:
+    from nemo_like.data.interfaces import LLMMessageLogType
+
+__all__ = [
+    "TOOL_CALL_OPEN",
+    "TOOL_CALL_CLOSE",
+    "TOOL_STOP_STRINGS",
+    "parse_tool_calls",
+    "format_tool_call",
+    "format_tool_response",
+    "extract_tool_answer",
+    "answers_match",
+    "ToolEnvironment",
+]
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+TOOL_STOP_STRINGS = [TOOL_CALL_CLOSE]  # generation stops right after a call
+
+MAX_MESSAGE_CHARS = 65_536  # a longer assistant message is malformed (parser bound)
+MAX_CALL_CHARS = 8_192  # one <tool_call> block's JSON
+MAX_JSON_DEPTH = 32  # brackets nested deeper than this are rejected before json.loads
+MAX_ANSWER_CHARS = 200  # longer final answers score 0 (this also bounds the comparison)
+MAX_ERROR_CHARS = 200  # error texts shown to the policy
+MAX_RECORDED_CALLS = 64  # per-episode call record kept in the metadata
+
+
+# ------------------------------------------------------------------------------------- parser
+class _Reject(Exception):
+    pass
+
+
+def _reject_constant(name: str) -> Any:
+    raise _Reject(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Reject(f"duplicate key {k[:40]!r}")
+        out[k] = v
+    return out
+
+
+def _max_depth(s: str, limit: int) -> bool:
+    """True if brackets (outside JSON strings) nest at most ``limit`` deep. Linear, no recursion."""
+    depth, in_str, esc = 0, False, False
+    for c in s:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif c in "]}":
+            depth -= 1
+    return True
+
+
+def _parse_one(body: str, index: int) -> dict[str, Any]:
+    where = f"tool call {index + 1}"
+    body = body.strip()
+    if not body:
+        raise _Reject(f"{where} is empty")
+    if len(body) > MAX_CALL_CHARS:
+        raise _Reject(f"{where} is longer than {MAX_CALL_CHARS} characters")
+    if not _max_depth(body, MAX_JSON_DEPTH):
+        raise _Reject(f"{where} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        obj = json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except _Reject as e:
+        raise _Reject(f"{where}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise _Reject(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer over Python's digit limit
+        raise _Reject(f"{where} is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise _Reject(f"{where} must be a JSON object, got {type(obj).__name__}")
+    extra = sorted(set(obj) - {"name", "arguments"})
+    if extra:
+        raise _Reject(f"{where} has unexpected keys {[k[:40] for k in extra[:3]]} (only name and arguments)")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise _Reject(f"{where}: 'name' must be a non-empty string")
+    if "arguments" not in obj:
+        raise _Reject(f"{where}: missing 'arguments' (use {{}} for none)")
+    if not isinstance(obj["arguments"], dict):
+        raise _Reject(f"{where}: 'arguments' must be a JSON object, got {type(obj['arguments']).__name__}")
+    return {"name": name, "arguments": obj["arguments"]}
+
+
+def parse_tool_calls(text: Any, *, max_calls: int = 8, max_chars: int = MAX_MESSAGE_CHARS) -> tuple[list[dict], str | None]:
+    """The tool calls in an assistant message: ``([{"name": str, "arguments": dict}, ...], None)``.
+
+    ``([], None)``: the message has no ``<tool_call>`` (it is a final answer). ``([], "reason")``: the
+    message tries to call tools but is malformed (unclosed or stray tags, a block nested in a block,
+    bad JSON, a non-string name, non-object arguments, other keys, duplicate keys, NaN, more than
+    ``max_calls`` calls, more than ``max_chars`` characters); all-or-nothing, so no call of a malformed
+    message runs. Never raises; time linear in ``len(text)`` (and nothing at all past ``max_chars``).
+    """
+    try:
+        if not isinstance(text, str):
+            return [], f"message content is a {type(text).__name__}, not a string"
+        if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
+            return [], None
+        if len(text) > max_chars:
+            return [], f"message is longer than {max_chars} characters"
+        calls: list[dict] = []
+        pos = 0
+        while True:
+            i = text.find(TOOL_CALL_OPEN, pos)
+            stray = text.find(TOOL_CALL_CLOSE, pos)
+            if i < 0:
+                if stray >= 0:
+                    raise _Reject(f"'{TOOL_CALL_CLOSE}' without a matching '{TOOL_CALL_OPEN}'")
+                break
+            if 0 <= stray < i:
+                raise _Reject(f"'{TOOL_CALL_CLOSE}' without a matching '{TOOL_CALL_OPEN}'")
+            start = i + len(TOOL_CALL_OPEN)
+            j = stray if stray >= start else text.find(TOOL_CALL_CLOSE, start)
+            if j < 0:
+                raise _Reject(f"tool call {len(calls) + 1} is not closed with '{TOOL_CALL_CLOSE}'")
+            body = text[start:j]
+            if TOOL_CALL_OPEN in body:
+                raise _Reject(f"tool call {len(calls) + 1} is not closed before the next '{TOOL_CALL_OPEN}'")
+            if len(calls) >= max_calls:
+                raise _Reject(f"more than {max_calls} tool calls in one message")
+            calls.append(_parse_one(body, len(calls)))
+            pos = j + len(TOOL_CALL_CLOSE)
+        return calls, None
+    except _Reject as e:
+        return [], str(e)[:MAX_ERROR_CHARS]
+    except Exception as e:  # last line of defence (MemoryError...): never raise into the trainer
+        return [], f"tool calls could not be parsed ({type(e).__name__})"
+
+
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """The canonical compact text of one call: ``<tool_call>{"name":"mul","arguments":{"a":37,"b":4}}</tool_call>``."""
+    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def format_tool_response(result: Any = None, *, error: str | None = None) -> str:
+    """One ``<tool_response>`` block: the result as compact JSON, or ``{"error": "..."}``."""
+    payload = _compact_json({"error": error[:MAX_ERROR_CHARS]}) if error is not None else _compact_json(result)
+    return f"{RESPONSE_OPEN}{payload}{RESPONSE_CLOSE}"
+
+
+def _canonical_call(call: Any) -> str | None:
+    """Key for exact name+arguments matching: JSON types matter (4 != 4.0 != true), key order does not."""
+    try:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", {})
+        if not isinstance(args, dict):
+            return None
+        return json.dumps([call["name"], args], sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+# ------------------------------------------------------------------------------- final answer
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+_TRAILING_SPECIAL_RE = re.compile(r"(?:\s*<\|[A-Za-z0-9_]{1,30}\|>)+\s*$")
+
+
+def extract_tool_answer(text: str) -> str | None:
+    """The final answer of an assistant message: the content of the last ``\\boxed{...}`` if the
+    message has one (balanced braces; None if that last box is unclosed or longer than
+    MAX_ANSWER_CHARS), else the whole message stripped (trailing chat special tokens such as
+    ``<|im_end|>`` removed). Linear time."""
+    pos = len(text)
+    while (i := text.rfind("\\boxed", 0, pos)) >= 0:
+        m = _BOXED_RE.match(text, i)
+        if m:
+            depth, k, end = 1, m.end(), min(len(text), m.end() + MAX_ANSWER_CHARS + 1)
+            while k < end:
+                c = text[k]
+                if c == "{":
+                    depth += 1
+                elif c == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[m.end() : k]
+                k += 1
+            return None
+        pos = i
+    tail = text[-(MAX_ANSWER_CHARS + 1000) :] if len(text) > MAX_ANSWER_CHARS + 1000 else text
+    return _TRAILING_SPECIAL_RE.sub("", tail).strip()
+
+
+_NUMBER_RE = re.compile(r"^[+-]?(?:\d{1,60}(?:\.\d{0,60})?|\.\d{1,60})$")
+
+
+def _normalise(s: str) -> str:
+    return " ".join(s.split())
+
+
+def answers_match(answer: str | None, truth: str) -> bool:
+    """Whitespace-normalised string equality; if both sides are plain decimal numbers (no exponent,
+    at most 60 digits each side of the point), numeric equality (``148 == 148.0 == +148``)."""
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    a, t = _normalise(answer), _normalise(truth)
+    if not a or not t:
+        return False
+    if a == t:
+        return True
+    if _NUMBER_RE.match(a) and _NUMBER_RE.match(t):
+        return Fraction(a) == Fraction(t)
+    return False
+
+
+# -------------------------------------------------------------------------------- environment
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "tools": None,  # names (or import paths) of the tools offered; None: add, mul, lookup
+    "max_turns": 4,  # assistant turns per episode, the final answer included
+    "timeout_s": 2.0,  # wall-clock limit of one tool call
+    "require_tool_calls": False,  # reward only if metadata["expected_calls"] were all made
+    "max_calls_per_turn": 4,  # more calls in one message: malformed
+    "max_response_chars": 1000,  # a longer JSON result is an error observation
+    "max_stuck_calls": 4,  # a tool with this many calls still running past the limit is disabled
+}
+
+
+class _BadItem(Exception):
+    pass
+
+
+def _last_assistant(message_log: Any) -> tuple[str, int]:
+    """(content of the last assistant message, number of assistant messages)."""
+    if not isinstance(message_log, (list, tuple)):
+        raise _BadItem(f"message log is a {type(message_log).__name__}, not a list")
+    content: str | None = None
+    turns = 0
+    for message in message_log:
+        if not isinstance(message, dict):
+            raise _BadItem(f"message is a {type(message).__name__}, not a dict")
+        if message.get("role") == "assistant":
+            turns += 1
+            content = message.get("content")
+    if turns == 0:
+        raise _BadItem("no assistant message")
+    if not isinstance(content, str):
+        raise _BadItem(f"assistant content is a {type(content).__name__}")
+    return content, turns
+
+
+def _ground_truth(meta: dict) -> str:
+    truth = meta.get("ground_truth")
+    if isinstance(truth, (int, float)) and not isinstance(truth, bool):
+        truth = str(truth)
+    if not isinstance(truth, str):
+        raise _BadItem("metadata has no ground_truth string")
+    return truth
+
+
+def _expected_calls(meta: dict) -> list[str]:
+    exp = meta.get("expected_calls")
+    if isinstance(exp, str):
+        try:
+            exp = json.loads(exp)
+        except ValueError:
+            raise _BadItem("expected_calls is not valid JSON") from None
+    if not isinstance(exp, list):
+        raise _BadItem("metadata has no expected_calls list")
+    keys = [_canonical_call(c) for c in exp]
+    if any(k is None for k in keys):
+        raise _BadItem("expected_calls entries must be {name, arguments} objects")
+    return keys  # type: ignore[return-value]
+
+
+class _Call:
+    """One tool call running on a daemon thread. A thread cannot be killed: a call past its time
+    limit is abandoned (and counted in its tool's stuck calls until it returns)."""
+
+    def __init__(self, tool: Tool, arguments: dict, max_chars: int) -> None:
+        self.tool, self.arguments, self.max_chars = tool, arguments, max_chars
+        self.payload: str | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"tool-{tool.name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            result = self.tool.fn(**self.arguments)
+            text = _compact_json(result)  # serialised here, so a huge result also counts against the limit
+            if len(text) > self.max_chars:
+                self.error = f"tool result is longer than {self.max_chars} characters"
+            else:
+                self.payload = text
+        except BaseException as e:  # report everything; the environment turns it into an observation
+            msg = str(e) if not isinstance(e, KeyError) else str(e.args[0]) if e.args else ""
+            self.error = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+class ToolEnvironment(EnvironmentInterface):
+    """Runs the tool calls in each sample's last assistant message, or grades its final answer.
+
+    Config keys (see ``_CONFIG_DEFAULTS``): ``tools`` (None: add, mul, lookup; names from
+    :mod:`nemo_like.environments.tools`, or import paths ``"pkg.mod.fn"``), ``max_turns`` (4),
+    ``timeout_s`` (2.0), ``require_tool_calls`` (False), ``max_calls_per_turn`` (4),
+    ``max_response_chars`` (1000), ``max_stuck_calls`` (4).
+
+    Per sample, from the last assistant message:
+
+    - tool calls: each is checked against its tool's schema (unknown tool, missing/extra arguments,
+      wrong JSON types -> error) and run with a ``timeout_s`` limit (an exception or time-out -> error);
+      observation ``{"role": "tool", "content": "<tool_response>...</tool_response>..."}``, reward 0,
+      not terminated, next stop strings ``["</tool_call>"]``. The calls are appended to
+      ``metadata["tool_calls"]`` (``{"name", "arguments", "ok"}``), which flows into the next turn.
+      A malformed message gets one error response and continues too. At the ``max_turns``-th
+      assistant message the episode instead terminates with reward 0 (no call is run).
+    - no tool call: the final answer (:func:`extract_tool_answer`: the last ``\\boxed{}`` else the
+      stripped text) is compared with ``metadata["ground_truth"]`` (:func:`answers_match`): reward
+      1.0 or 0.0, terminated. With ``require_tool_calls`` the reward is multiplied by 1 if every call
+      in ``metadata["expected_calls"]`` (a list or its JSON text) was made and succeeded (exact
+      name and arguments, JSON types included; extra calls allowed), else by 0.
+
+    Tools of one step run concurrently on threads (they must be thread-safe). A thread cannot be
+    killed, so a call past the limit is abandoned; a tool with ``max_stuck_calls`` calls still
+    running is disabled (error observations) until one returns. Untrusted code does not belong in
+    a tool: run it in a sandbox process.
+
+    Never raises from :meth:`step`: a malformed sample (not a list of dicts, no assistant message,
+    no ground truth when one is needed) scores 0, terminates and counts in ``num_failures``.
+    Metrics: ``num_tool_calls``, ``num_tool_errors`` (time-outs included), ``num_malformed_calls``
+    (malformed messages), ``num_timeouts``, ``num_turn_limit``, ``num_terminated``, ``accuracy``
+    (mean reward over the terminated samples; 0 if none), ``num_failures``.
+    """
+
+    def __init__(self, config: dict | None = None) -> None:
+        config = {} if config is None else config
+        if not isinstance(config, dict):
+            raise TypeError(f"ToolEnvironment config must be a dict, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(_CONFIG_DEFAULTS))
+        if unknown:
+            raise ValueError(f"ToolEnvironment: unknown config keys {unknown}; allowed: {sorted(_CONFIG_DEFAULTS)}")
+        cfg = {**_CONFIG_DEFAULTS, **config}
+        for key in ("max_turns", "max_calls_per_turn", "max_response_chars", "max_stuck_calls"):
+            v = cfg[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ToolEnvironment: {key} must be an int >= 1, got {v!r}")
+        timeout = cfg["timeout_s"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"ToolEnvironment: timeout_s must be a positive number, got {timeout!r}")
+        if not isinstance(cfg["require_tool_calls"], bool):
+            raise ValueError(f"ToolEnvironment: require_tool_calls must be true or false, got {cfg['require_tool_calls']!r}")
+        names = cfg["tools"]
+        if names is None:
+            names = list(DEFAULT_TOOLS)
+        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+            raise ValueError(f"ToolEnvironment: tools must be a non-empty list of tool names, got {names!r}")
+        self.tools: dict[str, Tool] = {}
+        for spec in names:
+            try:
+                t = resolve_tool(spec)
+            except (KeyError, TypeError) as e:
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                raise ValueError(f"ToolEnvironment: tools: {msg}") from None
+            if t.name in self.tools and self.tools[t.name] is not t:
+                raise ValueError(f"ToolEnvironment: tools: two different tools named {t.name!r}")
+            self.tools[t.name] = t
+        self.config = cfg
+        self.timeout_s = float(timeout)
+        self._stuck: dict[str, list[threading.Thread]] = {}
+
+    # ------------------------------------------------------------------------------ helpers
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The "tools" list of this environment's tools, for ``apply_chat_template(..., tools=...)``."""
+        return [t.schema() for t in self.tools.values()]
+
+    def _stuck_count(self, name: str) -> int:
+        alive = [t for t in self._stuck.get(name, []) if t.is_alive()]
+        self._stuck[name] = alive
+        return len(alive)
+
+    def _run_calls(self, jobs: list[tuple[Tool, dict]]) -> list[tuple[str | None, str | None, bool]]:
+        """Run ``(tool, arguments)`` jobs concurrently; per job (payload, error, timed_out)."""
+        results: list[tuple[str | None, str | None, bool] | None] = [None] * len(jobs)
+        running: list[tuple[int, _Call, float]] = []
+        for k, (t, args) in enumerate(jobs):
+            stuck = self._stuck_count(t.name)
+            if stuck >= self.config["max_stuck_calls"]:
+                results[k] = (None, f"tool {t.name!r} is unavailable: {stuck} earlier calls are still running "
+                                    "past the time limit", False)
+                continue
+            call = _Call(t, args, self.config["max_response_chars"])
+            try:
+                call.thread.start()
+            except RuntimeError as e:  # cannot start a thread (resource limits)
+                results[k] = (None, f"tool could not be started ({e})", False)
+                continue
+            running.append((k, call, time.monotonic() + self.timeout_s))
+        for k, call, deadline in running:
+            call.thread.join(max(0.0, deadline - time.monotonic()))
+            if call.thread.is_alive():
+                self._stuck.setdefault(call.tool.name, []).append(call.thread)
+                results[k] = (None, f"tool {call.tool.name!r} timed out after {self.timeout_s:g} s", True)
+            elif call.error is not None:
+                results[k] = (None, call.error, False)
+            else:
+                results[k] = (call.payload, None, False)
+        return [r if r is not None else (None, "internal error", False) for r in results]
+
+    # --------------------------------------------------------------------------------- step
+    def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
+        try:
+            batch = list(message_log_batch)
+        except Exception:
+            batch = []
+        try:
+            meta_in = list(metadata) if metadata is not None else []
+        except Exception:
+            meta_in = []
+        n = len(batch)
+        meta_in = (meta_in + [None] * n)[:n]
+        out_meta: list[dict | None] = list(meta_in)
+        rewards = [0.0] * n
+        terminated = [True] * n
+        observations: list[dict[str, str]] = [{"role": "environment", "content": "Environment: invalid sample"}] * n
+        m = Counter({k: 0 for k in ("num_tool_calls", "num_tool_errors", "num_malformed_calls", "num_timeouts",
+                                    "num_turn_limit", "num_failures")})
+        try:
+            jobs: list[tuple[Tool, dict]] = []
+            job_slots: list[tuple[int, int]] = []  # (sample, index of the call in the sample)
+            pending: dict[int, tuple[list[dict], list[str | None]]] = {}  # sample -> (calls, responses)
+            for i in range(n):
+                try:
+                    meta = meta_in[i] if meta_in[i] is not None else {}
+                    if not isinstance(meta, dict):
+                        raise _BadItem(f"metadata is a {type(meta).__name__}, not a dict")
+                    content, turns = _last_assistant(batch[i])
+                    calls, error = parse_tool_calls(content, max_calls=self.config["max_calls_per_turn"])
+                    if not calls and error is None:  # the final answer
+                        reward = float(answers_match(extract_tool_answer(content), _ground_truth(meta)))
+                        if self.config["require_tool_calls"]:  # a multiplicative gate
+                            reward *= float(self._made_expected_calls(meta))
+                        rewards[i] = reward
+                        observations[i] = {"role": "environment",
+                                           "content": "Environment: correct" if reward == 1.0 else "Environment: incorrect"}
+                        continue
+                    if self.config["require_tool_calls"]:
+                        _expected_calls(meta)  # malformed expectations fail now, not at the last turn
+                    if turns >= self.config["max_turns"]:
+                        m["num_turn_limit"] += 1
+                        observations[i] = {"role": "environment",
+                                           "content": f"Environment: turn limit reached ({turns} assistant turns)"}
+                        continue
+                    meta = dict(meta)
+                    meta["tool_calls"] = list(meta.get("tool_calls") or [])
+                    out_meta[i] = meta
+                    terminated[i] = False
+                    if error is not None:
+                        m["num_malformed_calls"] += 1
+                        observations[i] = {"role": "tool",
+                                           "content": format_tool_response(error=f"malformed tool call: {error}")}
+                        continue
+                    responses: list[str | None] = [None] * len(calls)
+                    pending[i] = (calls, responses)
+                    for c, call in enumerate(calls):
+                        m["num_tool_calls"] += 1
+                        t = self.tools.get(call["name"])
+                        if t is None:
+                            err = (f"unknown tool {call['name'][:50]!r}; available: "
+                                   f"{', '.join(sorted(self.tools))}")
+                        else:
+                            err = validate_arguments(call["arguments"], t.parameters)
+                        if err is not None:
+                            responses[c] = format_tool_response(error=err)
+                            m["num_tool_errors"] += 1
+                            self._record(meta, call, ok=False)
+                            continue
+                        jobs.append((t, call["arguments"]))  # type: ignore[arg-type]
+                        job_slots.append((i, c))
+                except Exception:  # _BadItem, or something stranger: score 0, terminate, count
+                    m["num_failures"] += 1
+                    rewards[i], terminated[i] = 0.0, True
+                    observations[i] = {"role": "environment", "content": "Environment: invalid sample"}
+                    pending.pop(i, None)
+            results = self._run_calls(jobs) if jobs else []
+            for (i, c), (payload, err, timed_out) in zip(job_slots, results):
+                if i not in pending:
+                    continue
+                calls, responses = pending[i]
+                if err is not None:
+                    responses[c] = format_tool_response(error=err)
+                    m["num_tool_errors"] += 1
+                    m["num_timeouts"] += timed_out
+                else:
+                    responses[c] = f"{RESPONSE_OPEN}{payload}{RESPONSE_CLOSE}"
+                self._record(out_meta[i], calls[c], ok=err is None)  # type: ignore[arg-type]
+            for i, (calls, responses) in pending.items():
+                content = "\n".join(r if r is not None else format_tool_response(error="internal error")
+                                    for r in responses)
+                observations[i] = {"role": "tool", "content": content}
+        except Exception:  # last line of defence: step must never raise into the trainer
+            rewards, terminated = [0.0] * n, [True] * n
+            observations = [{"role": "environment", "content": "Environment: internal error"}] * n
+            out_meta = list(meta_in)
+            m["num_failures"] = n
+
+        import torch  # lazily: keeps this module import-light
+
+        done = [i for i in range(n) if terminated[i]]
+        metrics = {k: float(v) for k, v in m.items()}
+        metrics["num_terminated"] = float(len(done))
+        metrics["accuracy"] = sum(rewards[i] for i in done) / len(done) if done else 0.0
+        return EnvironmentReturn(
+            observations=[dict(o) for o in observations],
+            metadata=out_meta,
+            next_stop_strings=[None if terminated[i] else list(TOOL_STOP_STRINGS) for i in range(n)],
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.tensor(terminated, dtype=torch.bool),
+            metrics=metrics,
+        )
+
+    @staticmethod
+    def _record(meta: dict, call: dict, *, ok: bool) -> None:
+        record = meta["tool_calls"]
+        if len(record) < MAX_RECORDED_CALLS:
+            record.append({"name": call["name"], "arguments": call["arguments"], "ok": ok})
+
+    @staticmethod
+    def _made_expected_calls(meta: dict) -> bool:
+        expected = Counter(_expected_calls(meta))
+        made = Counter(
+            _canonical_call(c) for c in (meta.get("tool_calls") or []) if isinstance(c, dict) and c.get("ok")
+        )
+        return all(made[k] >= v for k, v in expected.items())
+
+    def shutdown(self) -> None:
+        """Nothing to release: abandoned tool threads are daemons and end with the process."""

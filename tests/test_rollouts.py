@@ -1,0 +1,154 @@
+"""Multi-turn rollouts: environment observations are appended with loss off, samples stop when
+their environment terminates or when they no longer fit, rewards add up over turns, tasks are
+routed to their own environment actors and the results come back in batch order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import ray
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
+from nemo_like.models.generation.hf_generation import hf_generate
+from nemo_like.models.generation.interfaces import GenerationConfig
+from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
+
+
+class CountdownEnv(EnvironmentInterface):
+    """Answers each turn with "left=<k>"; terminates with reward 1 after `turns` assistant turns
+    and gives `step_reward` for each earlier turn. Keeps its count in the returned metadata."""
+
+    def __init__(self, config=None):
+        self.name = (config or {}).get("name", "countdown")
+
+    def step(self, message_log_batch, metadata):
+        obs, meta, rewards, done = [], [], [], []
+        for log, m in zip(message_log_batch, metadata):
+            seen = m.get("seen", 0) + 1
+            left = m["turns"] - seen
+            obs.append({"role": "environment", "content": f"{self.name} left={left}"})
+            meta.append(m | {"seen": seen, "last": log[-1]["content"]})
+            rewards.append(1.0 if left <= 0 else m.get("step_reward", 0.0))
+            done.append(left <= 0)
+        return EnvironmentReturn(obs, meta, [["!"]] * len(obs), torch.tensor(rewards),
+                                 torch.tensor(done), {"num_calls": float(len(obs))})
+
+
+class BrokenEnv(EnvironmentInterface):
+    def step(self, message_log_batch, metadata):
+        raise RuntimeError("injected fault")
+
+
+class LocalHF:
+    """A real HF model generating in this process (the Policy's workers run the same function)."""
+
+    def __init__(self, model, tok, max_new_tokens=5, max_total=200):
+        self.model, self.tok, self.max_total = model, tok, max_total
+        self.cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0)
+        self.calls: list[BatchedDataDict] = []
+
+    def generate(self, data, greedy=False):
+        self.calls.append(data)
+        return hf_generate(self.model, self.tok, data, self.cfg, greedy=greedy, max_total_length=self.max_total,
+                           micro_batch_size=64, synced=False, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def setup_env():
+    started = init_ray(num_cpus=2)
+    envs = {
+        "a": ray.remote(CountdownEnv).remote({"name": "A"}),
+        "b": ray.remote(CountdownEnv).remote({"name": "B"}),
+        "broken": ray.remote(BrokenEnv).remote(),
+    }
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
+    yield envs, tok, model
+    shutdown_ray_if_started(started)
+
+
+def _batch(tok, specs):
+    logs, infos, tasks = [], [], []
+    for task, turns in specs:
+        text = tok.apply_chat_template([{"role": "user", "content": f"go {task}"}], tokenize=False,
+                                       add_generation_prompt=True)
+        logs.append([{"role": "user", "content": text,
+                      "token_ids": torch.tensor(tok(text, add_special_tokens=False)["input_ids"])}])
+        infos.append({"turns": turns, "step_reward": 0.25})
+        tasks.append(task)
+    return BatchedDataDict(message_log=logs, extra_env_info=infos, task_name=tasks,
+                           loss_multiplier=torch.ones(len(logs)))
+
+
+def test_turns_masks_rewards_and_routing(setup_env):
+    envs, tok, model = setup_env
+    specs = [("a", 1), ("b", 3), ("a", 2), ("b", 1), ("a", 3)]
+    random.Random(0).shuffle(specs)
+    policy = LocalHF(model, tok)
+    out, m = run_multi_turn_rollout(policy, _batch(tok, specs), tok, envs, max_turns=3, max_seq_len=200)
+    for i, (task, turns) in enumerate(specs):
+        log = out["message_log"][i]
+        assert int(out["num_turns"][i]) == turns
+        assert [msg["role"] for msg in log] == ["user"] + ["assistant", "environment"] * (turns - 1) + ["assistant"]
+        # Each observation came from this sample's own environment (routing kept batch order).
+        for msg in log[2::2]:
+            assert msg["content"].startswith({"a": "A", "b": "B"}[task])
+        assert out["total_reward"][i].item() == pytest.approx(1.0 + 0.25 * (turns - 1))
+        assert out["extra_env_info"][i]["seen"] == turns
+    # Only assistant tokens carry loss; the environment's tokens (and the prompt) never do.
+    flat = flatten_message_logs(out["message_log"], tok.pad_token_id)
+    for i, log in enumerate(out["message_log"]):
+        pos = 0
+        for msg in log:
+            k = len(msg["token_ids"])
+            assert flat["token_mask"][i, pos:pos + k].tolist() == [int(msg["role"] == "assistant")] * k
+            if msg["role"] == "assistant":
+                assert torch.equal(flat["generation_logprobs"][i, pos:pos + k], msg["generation_logprobs"])
+            pos += k
+    # Environment text is rendered by the chat template, and the next assistant header follows it.
+    obs = out["message_log"][[t for _, t in specs].index(3)][2]
+    assert tok.decode(obs["token_ids"]).endswith("<|im_start|>environment\n" + obs["content"] + "<|im_end|>\n"
+                                                 "<|im_start|>assistant\n")
+    # Each turn generated only for the samples still going; stop strings from the env were passed on.
+    assert [c.size for c in policy.calls] == [5, 3, 2]
+    assert policy.calls[1]["stop_strings"] == [["!"]] * 3
+    assert m["turns_per_sample"] == pytest.approx(sum(t for _, t in specs) / 5)
+    assert m["env/a/num_calls"] == 3 + 2 + 1 - 0  # a-samples with 1, 2, 3 turns: 3 calls, then 2, then 1
+    assert m["truncation_rate"] == 0.0
+
+
+def test_sample_that_no_longer_fits_is_truncated(setup_env):
+    envs, tok, model = setup_env
+    batch = _batch(tok, [("a", 3), ("a", 1)])
+    prompt_len = len(batch["message_log"][0][0]["token_ids"])
+    policy = LocalHF(model, tok, max_new_tokens=5)
+    # Room for the first answer and its observation, not for a second answer.
+    out, m = run_multi_turn_rollout(policy, batch, tok, envs, max_turns=3, max_seq_len=prompt_len + 6)
+    assert bool(out["truncated"][0]) and int(out["num_turns"][0]) == 1
+    assert out["total_reward"][0].item() == pytest.approx(0.25)  # the one turn it took
+    assert int(out["num_turns"][1]) == 1 and out["total_reward"][1].item() == 1.0
+    assert m["truncation_rate"] == pytest.approx(0.5)
+
+
+def test_failing_environment_scores_zero_and_is_counted(setup_env):
+    envs, tok, model = setup_env
+    out, m = run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, [("broken", 1), ("a", 1), ("broken", 2)]),
+                                    tok, envs, max_turns=2, max_seq_len=200)
+    assert out["total_reward"].tolist() == [0.0, 1.0, 0.0]
+    assert m["env/broken/step_errors"] == 2.0
+    assert out["num_turns"].tolist() == [1, 1, 1]
+
+
+def test_unterminated_after_max_turns(setup_env):
+    envs, tok, model = setup_env
+    out, m = run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, [("b", 5)]), tok, envs, max_turns=2,
+                                    max_seq_len=200)
+    assert int(out["num_turns"][0]) == 2
+    assert out["total_reward"][0].item() == pytest.approx(0.5)
+    assert m["unterminated_rate"] == 1.0

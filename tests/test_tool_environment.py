@@ -1,0 +1,676 @@
+"""Tool calling: the tool registry, the strict tool-call parser, ToolEnvironment in-process and as a
+Ray actor, and the procedurally generated tool tasks (whose reference conversations must replay
+through the environment to reward 1.0)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import pytest
+
+from nemo_like.environments import tools as tools_mod
+from nemo_like.environments.tool_environment import (
+    ToolEnvironment,
+    answers_match,
+    extract_tool_answer,
+    format_tool_call,
+    format_tool_response,
+    parse_tool_calls,
+)
+from nemo_like.environments.tools import (
+    derive_parameters,
+    get_tool,
+    register_tool,
+    registered_tools,
+    tool,
+    tool_schemas,
+    unregister_tool,
+    validate_arguments,
+)
+
+
+def user(content: str) -> dict:
+    return {"role": "user", "content": content}
+
+
+def assistant(content) -> dict:
+    return {"role": "assistant", "content": content}
+
+
+def call(name: str, **arguments) -> str:
+    return format_tool_call(name, arguments)
+
+
+# =============================================================================== parser
+def test_no_tool_call_is_a_final_answer() -> None:
+    assert parse_tool_calls("\\boxed{148}") == ([], None)
+    assert parse_tool_calls("") == ([], None)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name":"mul","arguments":{"a":37,"b":4}}</tool_call>',
+        'let me compute <tool_call>\n{"name": "mul", "arguments": {"a": 37, "b": 4}}\n</tool_call> ok',
+    ],
+)
+def test_parse_valid_call(text: str) -> None:
+    assert parse_tool_calls(text) == ([{"name": "mul", "arguments": {"a": 37, "b": 4}}], None)
+
+
+def test_parse_multiple_calls_and_nested_braces() -> None:
+    text = (
+        '<tool_call>{"name":"a","arguments":{"x":{"y":{"z":[1,{"w":"}{"}]}}}}</tool_call>'
+        ' and <tool_call>{"name":"b","arguments":{}}</tool_call>'
+    )
+    calls, err = parse_tool_calls(text)
+    assert err is None
+    assert calls == [{"name": "a", "arguments": {"x": {"y": {"z": [1, {"w": "}{"}]}}}},
+                     {"name": "b", "arguments": {}}]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('<tool_call>{"name":"mul","arguments":{"a":1,"b":2}}', "not closed"),
+        ('{"name":"mul","arguments":{}}</tool_call>', "without a matching"),
+        ('<tool_call>{"name":"a","arguments":{}}</tool_call></tool_call>', "without a matching"),
+        ('<tool_call><tool_call>{"name":"a","arguments":{}}</tool_call>', "not closed before"),
+        ('<tool_call>{"name":"mul","arguments":{"a":1,}}</tool_call>', "not valid JSON"),
+        ("<tool_call>{'name':'mul','arguments':{}}</tool_call>", "not valid JSON"),
+        ('<tool_call>{"name":"mul","arguments":[1,2]}</tool_call>', "'arguments' must be a JSON object"),
+        ('<tool_call>{"name":"mul","arguments":"{\\"a\\":1}"}</tool_call>', "'arguments' must be a JSON object"),
+        ('<tool_call>{"name":5,"arguments":{}}</tool_call>', "'name' must be a non-empty string"),
+        ('<tool_call>{"name":"mul"}</tool_call>', "missing 'arguments'"),
+        ('<tool_call>{"name":"a","arguments":{},"id":1}</tool_call>', "unexpected keys"),
+        ('<tool_call>{"name":"a","arguments":{"x":1,"x":2}}</tool_call>', "duplicate key"),
+        ('<tool_call>{"name":"a","arguments":{"x":NaN}}</tool_call>', "NaN"),
+        ('<tool_call>["mul",{"a":1}]</tool_call>', "must be a JSON object"),
+        ("<tool_call>  </tool_call>", "empty"),
+        ('<tool_call>{"name":"a","arguments":{"x":' + "9" * 5000 + "}}</tool_call>", "not valid JSON"),
+    ],
+)
+def test_parse_malformed(text: str, match: str) -> None:
+    calls, err = parse_tool_calls(text)
+    assert calls == [] and err is not None
+    assert match in err
+
+
+def test_parse_non_string_never_raises() -> None:
+    for bad in (None, 5, b"<tool_call>", ["<tool_call>"]):
+        calls, err = parse_tool_calls(bad)
+        assert calls == [] and "not a string" in err
+
+
+def test_parse_too_many_calls() -> None:
+    one = '<tool_call>{"name":"a","arguments":{}}</tool_call>'
+    assert len(parse_tool_calls(one * 3, max_calls=3)[0]) == 3
+    calls, err = parse_tool_calls(one * 4, max_calls=3)
+    assert calls == [] and "more than 3" in err
+
+
+def test_parse_hostile_input_is_fast() -> None:
+    mb = 1 << 20
+    cases = [
+        "x" * mb,  # no tags at all: a final answer
+        "<tool_call>" + "{" * mb,  # unclosed
+        "<tool_call>" * (mb // 11),  # a megabyte of openers
+        "</tool_call>" * (mb // 12),
+        '<tool_call>{"name":"a","arguments":' + "[" * mb + "]" * mb + "}</tool_call>",
+    ]
+    for text in cases:
+        t0 = time.perf_counter()
+        calls, err = parse_tool_calls(text, max_chars=10 * mb)
+        assert time.perf_counter() - t0 < 2.0
+        assert calls == []
+        assert (err is None) == (text == cases[0])
+    # Deep nesting within the size limits is refused before json.loads can recurse.
+    deep = '<tool_call>{"name":"a","arguments":{"x":' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    assert "nests deeper" in parse_tool_calls(deep, max_chars=10 * mb)[1] or "longer" in parse_tool_calls(deep)[1]
+    deep = '<tool_call>{"name":"a","arguments":{"x":' + "[" * 100 + "]" * 100 + "}}</tool_call>"
+    assert "nests deeper" in parse_tool_calls(deep)[1]
+    # Default size limit: a megabyte message with a tag is refused outright.
+    assert "longer than" in parse_tool_calls("<tool_call>" + "a" * mb)[1]
+    big_block = '<tool_call>{"name":"a","arguments":{"s":"' + "a" * 20_000 + '"}}</tool_call>'
+    assert "longer than" in parse_tool_calls(big_block)[1]
+
+
+# ===================================================================== answer extraction
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\\boxed{148}", "148"),
+        ("so \\boxed{1} no wait \\boxed{ 148 }", " 148 "),
+        ("  148\n", "148"),
+        ("148<|im_end|>\n", "148"),
+        ("\\boxed{148", None),  # the last box decides, even unclosed
+        ("\\boxed{{1}{2}}", "{1}{2}"),
+        ("\\boxed{" + "1" * 300 + "}", None),
+    ],
+)
+def test_extract_tool_answer(text: str, expected) -> None:
+    assert extract_tool_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "answer, truth, ok",
+    [
+        ("148", "148", True),
+        ("148.0", "148", True),
+        ("+148", "148", True),
+        (" 1  2 ", "1 2", True),
+        ("147", "148", False),
+        ("1e2", "100", False),  # no exponents: plain decimals only
+        ("Zorb", "zorb", False),
+        ("", "", False),
+        (None, "1", False),
+        ("9" * 300, "9" * 300, False),
+    ],
+)
+def test_answers_match(answer, truth, ok) -> None:
+    assert answers_match(answer, truth) is ok
+
+
+# ============================================================================== registry
+def test_builtin_tools_and_schemas() -> None:
+    assert {"add", "mul", "lookup"} <= set(registered_tools())
+    assert get_tool("add").fn(a=2, b=3) == 5 and get_tool("mul").fn(a=37, b=4) == 148
+    assert get_tool("lookup").fn(key="apple") == tools_mod.LOOKUP_TABLE["apple"]
+    with pytest.raises(KeyError, match="no entry"):
+        get_tool("lookup").fn(key="unobtainium")
+    schemas = tool_schemas(["mul", "lookup"])
+    assert [s["function"]["name"] for s in schemas] == ["mul", "lookup"]
+    for s in schemas:
+        assert s["type"] == "function" and set(s["function"]) == {"name", "description", "parameters"}
+        assert s["function"]["description"]
+        assert s["function"]["parameters"]["type"] == "object"
+    assert schemas[1]["function"]["parameters"]["properties"]["key"]["type"] == "string"
+    assert schemas[1]["function"]["parameters"]["required"] == ["key"]
+    json.dumps(schemas)  # plain JSON
+    with pytest.raises(KeyError, match="registered tools"):
+        tool_schemas(["nope"])
+
+
+def test_schema_derivation_from_hints_and_docstring() -> None:
+    def fancy(n: int, x: float, s: str, flag: bool, items: list, ids: list[int], maybe: Optional[str] = None,
+              scale: float = 1.0) -> str:
+        """Do a fancy thing.
+
+        More details that are not part of the description.
+
+        Args:
+            n: how many
+            x (float): a number which has a
+                long description
+            s: the text
+            flag: whether to
+
+        Returns:
+            something
+        """
+        return s
+
+    desc, params = derive_parameters(fancy)
+    assert desc == "Do a fancy thing."
+    props = params["properties"]
+    assert {k: v["type"] for k, v in props.items()} == {
+        "n": "integer", "x": "number", "s": "string", "flag": "boolean", "items": "array", "ids": "array",
+        "maybe": ["string", "null"], "scale": "number",
+    }
+    assert props["ids"]["items"] == {"type": "integer"}
+    assert props["n"]["description"] == "how many"
+    assert props["x"]["description"] == "a number which has a long description"
+    assert "description" not in props["items"]
+    assert params["required"] == ["n", "x", "s", "flag", "items", "ids"]
+    assert params["additionalProperties"] is False
+
+    def sphinx(a: int) -> int:
+        """Sphinx style.
+
+        :param a: the value
+        :returns: it
+        """
+        return a
+
+    assert derive_parameters(sphinx)[1]["properties"]["a"]["description"] == "the value"
+
+
+def test_schema_derivation_errors() -> None:
+    def no_hint(a):
+        return a
+
+    def bad_hint(a: set) -> None: ...
+
+    def var(*args: int) -> None: ...
+
+    with pytest.raises(TypeError, match="'a': missing type hint"):
+        derive_parameters(no_hint)
+    with pytest.raises(TypeError, match="unsupported type hint"):
+        derive_parameters(bad_hint)
+    with pytest.raises(TypeError, match=r"\*args"):
+        derive_parameters(var)
+
+
+@pytest.fixture
+def scratch_tools():
+    """Names registered by a test are removed afterwards."""
+    before = set(registered_tools())
+    yield
+    for name in set(registered_tools()) - before:
+        unregister_tool(name)
+
+
+def test_decorator_and_explicit_registration(scratch_tools) -> None:
+    @tool(name="nl_t_concat", description="Join two strings.")
+    def concat(a: str, b: str = "") -> str:
+        return a + b
+
+    assert concat("x", "y") == "xy"  # still a plain function
+    t = get_tool("nl_t_concat")
+    assert t is concat.__tool__ and t.description == "Join two strings."
+    assert t.parameters["required"] == ["a"]
+
+    @tool
+    def nl_t_bare(x: int) -> int:
+        """Identity."""
+        return x
+
+    assert get_tool("nl_t_bare").description == "Identity."
+
+    def shout(text):
+        return text.upper()
+
+    params = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 5}}, "required": ["text"]}
+    register_tool(shout, "nl_t_shout", "Upper-case.", params)
+    assert tool_schemas(["nl_t_shout"])[0]["function"]["parameters"] == params
+    register_tool(shout, "nl_t_shout", "Upper-case.", params)  # same again: no-op
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool(lambda text: text, "nl_t_shout", "Other.", params)
+    register_tool(lambda text: text, "nl_t_shout", "Other.", params, overwrite=True)
+    with pytest.raises(ValueError, match="not parameters of the function"):
+        register_tool(shout, "nl_t_bad", "x", {"type": "object", "properties": {"nope": {"type": "string"}}})
+    with pytest.raises(ValueError, match="missing from the schema"):
+        register_tool(shout, "nl_t_bad", "x", {"type": "object", "properties": {}})
+    with pytest.raises(ValueError, match="type"):
+        register_tool(shout, "nl_t_bad", "x", {"type": "object", "properties": {"text": {"type": "str"}}})
+    with pytest.raises(ValueError, match="tool name"):
+        register_tool(shout, "bad name!", "x", params)
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        ({"a": 1, "b": 2}, None),
+        ({"a": 1}, "missing argument 'b'"),
+        ({"a": 1, "b": 2, "c": 3}, "unexpected argument 'c'"),
+        ({"a": "1", "b": 2}, "argument 'a' must be integer, got string"),
+        ({"a": 1.0, "b": 2}, "argument 'a' must be integer, got number"),
+        ({"a": True, "b": 2}, "argument 'a' must be integer, got boolean"),
+        ({"a": 10**12, "b": 2}, "argument 'a' must be <="),
+        ([1, 2], "arguments must be an object"),
+    ],
+)
+def test_validate_arguments(args, error) -> None:
+    err = validate_arguments(args, get_tool("add").parameters)
+    assert err == error if error is None else error in err
+
+
+def test_schemas_render_through_a_chat_template_with_tools() -> None:
+    from nemo_like.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{%- if tools -%}<tools>{%- for t in tools -%}{{ t['function']['name'] }};{%- endfor -%}</tools>{%- endif -%}"
+        "{%- for m in messages -%}[{{ m['role'] }}]{{ m['content'] }}{%- endfor -%}"
+    )
+    text = tok.apply_chat_template([user("37*4=?")], tools=tool_schemas(["add", "mul"]), tokenize=False)
+    assert text == "<tools>add;mul;</tools>[user]37*4=?"
+
+
+# ============================================================================ environment
+def nl_t_boom(x: int) -> int:
+    """Always fails."""
+    raise RuntimeError("kaboom")
+
+
+def nl_t_sleep(seconds: float) -> float:
+    """Sleeps."""
+    time.sleep(seconds)
+    return seconds
+
+
+def nl_t_nan() -> float:
+    """Not JSON."""
+    return float("nan")
+
+
+@pytest.fixture(scope="module")
+def test_tools():
+    for fn in (nl_t_boom, nl_t_sleep, nl_t_nan):
+        register_tool(fn)
+    yield
+    for fn in (nl_t_boom, nl_t_sleep, nl_t_nan):
+        unregister_tool(fn.__name__)
+
+
+ENV_TOOLS = ["add", "mul", "lookup", "nl_t_boom", "nl_t_sleep", "nl_t_nan"]
+
+
+@pytest.fixture(scope="module")
+def env(test_tools):
+    return ToolEnvironment({"tools": ENV_TOOLS, "timeout_s": 0.5, "max_turns": 3})
+
+
+def step1(env: ToolEnvironment, log: list[dict], meta: dict | None):
+    return env.step([log], [meta])
+
+
+def test_full_conversation(env: ToolEnvironment) -> None:
+    meta = {"ground_truth": "148"}
+    log = [user("37*4=?"), assistant(call("mul", a=37, b=4))]
+    ret = step1(env, log, meta)
+    assert ret.observations == [{"role": "tool", "content": "<tool_response>148</tool_response>"}]
+    assert ret.rewards.tolist() == [0.0] and ret.terminateds.tolist() == [False]
+    assert ret.next_stop_strings == [["</tool_call>"]]
+    assert ret.metadata[0]["tool_calls"] == [{"name": "mul", "arguments": {"a": 37, "b": 4}, "ok": True}]
+    assert ret.metadata[0]["ground_truth"] == "148" and "tool_calls" not in meta  # input not mutated
+    assert ret.metrics["num_tool_calls"] == 1 and ret.metrics["num_tool_errors"] == 0
+    log = log + [ret.observations[0]]
+    for answer, reward in (("\\boxed{148}", 1.0), ("The answer is \\boxed{148.0}.", 1.0), ("148", 1.0),
+                           ("\\boxed{147}", 0.0), ("I don't know", 0.0)):
+        done = step1(env, log + [assistant(answer)], ret.metadata[0])
+        assert done.rewards.tolist() == [reward], answer
+        assert done.terminateds.tolist() == [True] and done.next_stop_strings == [None]
+        assert done.metrics["accuracy"] == reward and done.metrics["num_terminated"] == 1
+
+
+def test_lookup_and_multiple_calls(env: ToolEnvironment) -> None:
+    text = call("lookup", key="apple") + call("add", a=1, b=2) + call("lookup", key="nowhere")
+    ret = step1(env, [user("q"), assistant(text)], {"ground_truth": "3"})
+    price = tools_mod.LOOKUP_TABLE["apple"]
+    parts = ret.observations[0]["content"].split("\n")
+    assert parts[:2] == [f"<tool_response>{price}</tool_response>", "<tool_response>3</tool_response>"]
+    assert parts[2].startswith('<tool_response>{"error":"KeyError: no entry for')
+    assert ret.metrics["num_tool_calls"] == 3 and ret.metrics["num_tool_errors"] == 1
+    assert [c["ok"] for c in ret.metadata[0]["tool_calls"]] == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (call("divide", a=1, b=2), "unknown tool 'divide'; available: add, lookup, mul"),
+        (call("mul", a="37", b=4), "argument 'a' must be integer, got string"),
+        (call("mul", a=37), "missing argument 'b'"),
+        (call("mul", a=37, b=4, c=1), "unexpected argument 'c'"),
+        (call("nl_t_boom", x=1), "RuntimeError: kaboom"),
+        (call("nl_t_nan"), "ValueError"),
+    ],
+)
+def test_tool_errors_become_observations(env: ToolEnvironment, text: str, match: str) -> None:
+    ret = step1(env, [user("q"), assistant(text)], {"ground_truth": "1"})
+    content = ret.observations[0]["content"]
+    assert ret.observations[0]["role"] == "tool"
+    assert content.startswith("<tool_response>") and content.endswith("</tool_response>")
+    assert match in json.loads(content[len("<tool_response>"): -len("</tool_response>")])["error"]
+    assert ret.terminateds.tolist() == [False] and ret.rewards.tolist() == [0.0]
+    assert ret.metrics["num_tool_errors"] == 1 and ret.metrics["num_failures"] == 0
+    assert ret.metadata[0]["tool_calls"][0]["ok"] is False
+
+
+def test_malformed_call_is_an_error_observation(env: ToolEnvironment) -> None:
+    ret = step1(env, [user("q"), assistant('<tool_call>{"name":"mul","arguments":[37,4]}</tool_call>')],
+                {"ground_truth": "148"})
+    assert "malformed tool call" in ret.observations[0]["content"]
+    assert ret.terminateds.tolist() == [False] and ret.next_stop_strings == [["</tool_call>"]]
+    assert ret.metrics["num_malformed_calls"] == 1 and ret.metrics["num_tool_calls"] == 0
+
+
+def test_hanging_tool_times_out_and_is_counted(test_tools) -> None:
+    env = ToolEnvironment({"tools": ENV_TOOLS, "timeout_s": 0.3, "max_stuck_calls": 1})
+    logs = [[user("q"), assistant(call("nl_t_sleep", seconds=1.5))], [user("q"), assistant(call("add", a=1, b=1))]]
+    t0 = time.perf_counter()
+    ret = env.step(logs, [{"ground_truth": "1"}, {"ground_truth": "2"}])
+    assert time.perf_counter() - t0 < 1.2
+    assert "timed out after 0.3 s" in ret.observations[0]["content"]
+    assert ret.observations[1]["content"] == "<tool_response>2</tool_response>"
+    assert ret.metrics["num_timeouts"] == 1 and ret.metrics["num_tool_errors"] == 1
+    assert ret.terminateds.tolist() == [False, False]
+    # The abandoned call is still running: the tool is unavailable until it returns.
+    t0 = time.perf_counter()
+    ret = env.step([[user("q"), assistant(call("nl_t_sleep", seconds=0.0))]], [None])
+    assert time.perf_counter() - t0 < 0.2 and "unavailable" in ret.observations[0]["content"]
+    time.sleep(1.4)
+    ret = env.step([[user("q"), assistant(call("nl_t_sleep", seconds=0.0))]], [None])
+    assert ret.observations[0]["content"] == "<tool_response>0.0</tool_response>"
+
+
+def test_turn_limit_terminates(env: ToolEnvironment) -> None:
+    c = call("add", a=1, b=1)
+    obs = {"role": "tool", "content": "<tool_response>2</tool_response>"}
+    log = [user("q"), assistant(c), obs, assistant(c), obs]
+    ret = step1(env, log, {"ground_truth": "2"})  # 2 assistant turns < max_turns 3
+    assert ret.terminateds.tolist() == [False]
+    ret = step1(env, log + [assistant(c)], {"ground_truth": "2"})  # the 3rd turn is a call again
+    assert ret.terminateds.tolist() == [True] and ret.rewards.tolist() == [0.0]
+    assert ret.metrics["num_turn_limit"] == 1 and ret.metrics["num_tool_calls"] == 0
+    ret = step1(env, log + [assistant("\\boxed{2}")], {"ground_truth": "2"})  # a final answer still counts
+    assert ret.rewards.tolist() == [1.0]
+
+
+def test_require_tool_calls_gate() -> None:
+    env = ToolEnvironment({"require_tool_calls": True})
+    expected = json.dumps([{"name": "mul", "arguments": {"a": 37, "b": 4}}])
+    answer = [user("37*4=?"), assistant("\\boxed{148}")]
+
+    def final(made: list[dict], exp=expected, truth="148"):
+        return env.step([answer], [{"ground_truth": truth, "expected_calls": exp, "tool_calls": made}])
+
+    ok = {"name": "mul", "arguments": {"b": 4, "a": 37}, "ok": True}
+    assert final([]).rewards.tolist() == [0.0]  # right answer, guessed without the tool
+    assert final([ok]).rewards.tolist() == [1.0]
+    assert final([{**ok, "arguments": {"a": 37, "b": 5}}, ok]).rewards.tolist() == [1.0]  # extra calls allowed
+    assert final([{**ok, "ok": False}]).rewards.tolist() == [0.0]  # a failed call does not count
+    assert final([{**ok, "arguments": {"a": 37.0, "b": 4}}]).rewards.tolist() == [0.0]  # exact JSON types
+    assert final([ok], truth="149").rewards.tolist() == [0.0]  # a gate, not a bonus
+    assert final([ok], exp=json.loads(expected)).rewards.tolist() == [1.0]  # a list works too
+    bad = final([ok], exp="not json")
+    assert bad.rewards.tolist() == [0.0] and bad.metrics["num_failures"] == 1
+    # Through the environment: the call made in turn 1 is recorded in the metadata that flows to turn 2.
+    meta = {"ground_truth": "148", "expected_calls": expected}
+    ret = env.step([[user("37*4=?"), assistant(call("mul", a=37, b=4))]], [meta])
+    log = [user("37*4=?"), assistant(call("mul", a=37, b=4)), ret.observations[0], assistant("\\boxed{148}")]
+    assert env.step([log], ret.metadata).rewards.tolist() == [1.0]
+
+
+@pytest.mark.parametrize(
+    "log, meta",
+    [
+        ("not a list", {"ground_truth": "1"}),
+        ([user("q")], {"ground_truth": "1"}),  # no assistant message
+        ([user("q"), "not a dict"], {"ground_truth": "1"}),
+        ([user("q"), assistant(None)], {"ground_truth": "1"}),
+        ([user("q"), assistant("\\boxed{1}")], None),  # no ground truth for a final answer
+        ([user("q"), assistant("\\boxed{1}")], {"ground_truth": [1]}),
+        ([user("q"), assistant(call("add", a=1, b=1))], "not a dict"),
+    ],
+)
+def test_malformed_items_score_zero_and_count(env: ToolEnvironment, log, meta) -> None:
+    good = [user("q"), assistant("\\boxed{2}")]
+    ret = env.step([log, good], [meta, {"ground_truth": 2}])
+    assert ret.rewards.tolist() == [0.0, 1.0] and ret.terminateds.tolist() == [True, True]
+    assert ret.metrics["num_failures"] == 1 and ret.metrics["accuracy"] == 0.5
+
+
+@pytest.mark.parametrize("logs, meta", [([], []), (None, None), ([], None), (5, 5)])
+def test_degenerate_batches_never_raise(env: ToolEnvironment, logs, meta) -> None:
+    ret = env.step(logs, meta)
+    assert len(ret.rewards) == 0 and ret.metrics["accuracy"] == 0.0
+
+
+def test_metadata_shorter_than_batch(env: ToolEnvironment) -> None:
+    logs = [[user("q"), assistant(call("add", a=1, b=1))], [user("q"), assistant(call("add", a=2, b=2))]]
+    ret = env.step(logs, [])  # tool calls need no ground truth
+    assert [o["content"] for o in ret.observations] == ["<tool_response>2</tool_response>",
+                                                        "<tool_response>4</tool_response>"]
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"tools": ["add", "nope"]}, "tools: unknown tool 'nope'"),
+        ({"tools": "add"}, "tools must be a non-empty list"),
+        ({"tools": []}, "tools must be a non-empty list"),
+        ({"tools": ["no_such_module_xyz.fn"]}, "not importable"),
+        ({"max_turns": 0}, "max_turns"),
+        ({"max_turns": 2.5}, "max_turns"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"timeout_s": True}, "timeout_s"),
+        ({"require_tool_calls": "yes"}, "require_tool_calls"),
+        ({"max_calls_per_turn": -1}, "max_calls_per_turn"),
+        ({"tool": ["add"]}, "unknown config keys \\['tool'\\]"),
+    ],
+)
+def test_bad_config_raises_clear_error(config: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ToolEnvironment(config)
+
+
+def test_config_defaults_and_import_path_tools() -> None:
+    env = ToolEnvironment()
+    assert sorted(env.tools) == ["add", "lookup", "mul"]
+    assert [s["function"]["name"] for s in env.tool_schemas()] == ["add", "mul", "lookup"]
+    env = ToolEnvironment({"tools": ["nemo_like.environments.tools:mul"]})
+    assert list(env.tools) == ["mul"]
+    with pytest.raises(TypeError, match="dict"):
+        ToolEnvironment(["add"])
+
+
+# ================================================================================ tasks
+@pytest.fixture(scope="module")
+def task_splits():
+    from nemo_like.data.tool_tasks import generate_tool_dataset
+
+    return generate_tool_dataset("train", 600, seed=3), generate_tool_dataset("validation", 150, seed=3)
+
+
+def test_task_generator_deterministic_and_disjoint(task_splits) -> None:
+    from nemo_like.data.tool_tasks import generate_tool_dataset
+
+    train, val = task_splits
+    assert generate_tool_dataset("train", 600, seed=3)[:] == train[:]
+    assert generate_tool_dataset("train", 600, seed=4)["problem"] != train["problem"]
+    assert set(train.column_names) >= {"problem", "ground_truth", "expected_calls", "task_name", "sft_messages"}
+    assert set(train["task_name"]) == {"tool"} and set(train["kind"]) == {"add", "mul", "lookup"}
+    assert not set(train["problem"]) & set(val["problem"])
+    arith = [p for p, k in zip(train["problem"], train["kind"]) if k != "lookup"]
+    assert len(set(arith)) == len(arith)  # no repeats while the split has unused questions
+
+    def keys(ds):
+        return {json.loads(c)[0]["arguments"]["key"] for c, k in zip(ds["expected_calls"], ds["kind"]) if k == "lookup"}
+
+    assert keys(train) and keys(val) and not keys(train) & keys(val)
+    with pytest.raises(ValueError, match="kinds"):
+        generate_tool_dataset("train", 5, seed=0, kinds=["div"])
+    with pytest.raises(ValueError, match="split"):
+        generate_tool_dataset("test", 5, seed=0)
+    small = generate_tool_dataset("validation", 5, seed=0, kinds=["add"], max_value=9)
+    assert all("+" in p for p in small["problem"])
+
+
+def test_reference_conversations_replay_to_reward_one(task_splits) -> None:
+    env = ToolEnvironment({"require_tool_calls": True})
+    rows = list(task_splits[0].select(range(60))) + list(task_splits[1].select(range(30)))
+    logs, metas = [], []
+    for row in rows:
+        msgs = json.loads(row["sft_messages"])
+        assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+        assert msgs[0]["content"] == row["problem"]
+        assert answers_match(extract_tool_answer(msgs[-1]["content"]), row["ground_truth"])
+        assert parse_tool_calls(msgs[1]["content"]) == (json.loads(row["expected_calls"]), None)
+        logs.append(msgs[:2])
+        metas.append({"ground_truth": row["ground_truth"], "expected_calls": row["expected_calls"]})
+    ret = env.step(logs, metas)
+    assert ret.metrics["num_tool_errors"] == 0 and not ret.terminateds.any()
+    for row, obs in zip(rows, ret.observations):
+        assert obs == json.loads(row["sft_messages"])[2]  # exactly the reference tool message
+    final_logs = [json.loads(row["sft_messages"]) for row in rows]
+    done = env.step(final_logs, ret.metadata)
+    assert done.rewards.tolist() == [1.0] * len(rows) and done.terminateds.all()
+
+
+def test_tool_processors(task_splits) -> None:
+    from nemo_like.data.interfaces import TaskDataSpec
+    from nemo_like.data.tool_tasks import tool_data_processor, tool_sft_data_processor, tool_system_prompt
+    from nemo_like.experience.rollouts import flatten_message_logs
+    from nemo_like.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    assert tool_system_prompt() == "Tools: add(a:int,b:int) mul(a:int,b:int) lookup(key:str)"
+    assert '"name": "lookup"' in tool_system_prompt(["lookup"], style="hermes")
+    spec = TaskDataSpec(task_name="tool")
+    rows = list(task_splits[0]) + list(task_splits[1])
+    longest = 0
+    for i, row in enumerate(rows):
+        d = tool_sft_data_processor(row, spec, tok, 192, i)
+        assert d["loss_multiplier"] == 1.0
+        longest = max(longest, d["length"])
+    assert longest <= 192
+    d = tool_sft_data_processor(rows[0], spec, tok, 192, 0)
+    msgs = json.loads(rows[0]["sft_messages"])
+    assert [m["role"] for m in d["message_log"]] == ["user", "assistant", "tool", "assistant"]
+    assert "".join(m["content"] for m in d["message_log"]) == tok.apply_chat_template(msgs, tokenize=False)
+    assert d["message_log"][1]["content"] == msgs[1]["content"] + "<|im_end|>\n"
+    assert d["message_log"][3]["content"] == msgs[3]["content"] + "<|im_end|>\n"
+    flat = flatten_message_logs([d["message_log"]], tok.pad_token_id)
+    trained = tok.decode(flat["input_ids"][0][flat["token_mask"][0].bool()].tolist())
+    assert trained == msgs[1]["content"] + "<|im_end|>\n" + msgs[3]["content"] + "<|im_end|>\n"
+    with_system = tool_sft_data_processor(rows[0], TaskDataSpec("tool", system_prompt=tool_system_prompt()), tok, 256, 0)
+    assert with_system["message_log"][0]["content"].startswith("<|im_start|>system\nTools: add(")
+    rl = tool_data_processor(rows[0], spec, tok, 192, 0)
+    assert rl["stop_strings"] == ["</tool_call>"] and len(rl["message_log"]) == 1
+    assert rl["message_log"][0]["content"].endswith("<|im_start|>assistant\n")
+    assert rl["extra_env_info"] == {"ground_truth": rows[0]["ground_truth"],
+                                    "expected_calls": json.loads(rows[0]["expected_calls"])}
+
+
+# ================================================================================ on Ray
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+
+    import ray
+
+    started = init_ray(num_cpus=2)
+    yield ray
+    shutdown_ray_if_started(started)
+
+
+def test_tool_env_as_ray_actor(ray_cluster) -> None:
+    from nemo_like.environments.registry import create_env_actor
+
+    ray = ray_cluster
+    actor = create_env_actor("tool", {"timeout_s": 5.0, "max_turns": 3, "require_tool_calls": True})
+    try:
+        expected = json.dumps([{"name": "mul", "arguments": {"a": 37, "b": 4}}])
+        metas = [{"ground_truth": "148", "expected_calls": expected}, {"ground_truth": "148", "expected_calls": expected}]
+        logs = [[user("37*4=?"), assistant(call("mul", a=37, b=4))], [user("37*4=?"), assistant(call("div", a=1, b=1))]]
+        ret = ray.get(actor.step.remote(logs, metas), timeout=120)
+        assert ret.observations[0] == {"role": "tool", "content": "<tool_response>148</tool_response>"}
+        assert "unknown tool 'div'" in ret.observations[1]["content"]
+        assert ret.terminateds.tolist() == [False, False] and ret.next_stop_strings == [["</tool_call>"]] * 2
+        assert ret.metrics["num_tool_calls"] == 2 and ret.metrics["num_tool_errors"] == 1
+        logs = [log + [obs, assistant("\\boxed{148}")] for log, obs in zip(logs, ret.observations)]
+        done = ray.get(actor.step.remote(logs, ret.metadata), timeout=120)
+        # Both answers are right, but only the first made the expected call.
+        assert done.rewards.tolist() == [1.0, 0.0] and done.terminateds.tolist() == [True, True]
+        assert done.metrics["accuracy"] == 0.5
+    finally:
+        ray.kill(actor, no_restart=True)
+    bad = create_env_actor("tool", {"tools": ["add", "nope"]})
+    try:
+        with pytest.raises(ray.exceptions.RayActorError, match="nope"):
+            ray.get(bad.step.remote([], []), timeout=120)
+    finally:
+        ray.kill(bad, no_restart=True)
