@@ -146,7 +146,7 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
             turns[i] += 1
             gen_lengths[i] += end - start
             ended_eos.append(len(ids) > 0 and int(ids[-1]) == eos)
-            if bool(gen["truncated"][j]):
+            if bool(gen["truncated"][j]):  # hit the per-turn token cap; the environment still decides
                 truncated[i] = True
         _, returns, m = calculate_rewards([message_logs[i] for i in active], [task_names[i] for i in active],
                                           [env_infos[i] for i in active], envs)
@@ -163,8 +163,6 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
                 env_infos[i] = ret.metadata[0]
             if bool(ret.terminateds[0]):
                 terminated[i] = True
-                continue
-            if truncated[i]:  # cut off mid-answer: no point in answering it
                 continue
             obs_ids = observation_token_ids(tokenizer, ret.observations[0], assistant_ended_with_eos=ended_eos[j])
             obs = dict(ret.observations[0]) | {"token_ids": obs_ids}
