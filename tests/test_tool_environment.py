@@ -16,7 +16,6 @@ from nemo_like.environments.tool_environment import (
     answers_match,
     extract_tool_answer,
     format_tool_call,
-    format_tool_response,
     parse_tool_calls,
 )
 from nemo_like.environments.tools import (
@@ -127,10 +126,12 @@ def test_parse_hostile_input_is_fast() -> None:
         assert calls == []
         assert (err is None) == (text == cases[0])
     # Deep nesting within the size limits is refused before json.loads can recurse.
-    deep = '<tool_call>{"name":"a","arguments":{"x":' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
-    assert "nests deeper" in parse_tool_calls(deep, max_chars=10 * mb)[1] or "longer" in parse_tool_calls(deep)[1]
-    deep = '<tool_call>{"name":"a","arguments":{"x":' + "[" * 100 + "]" * 100 + "}}</tool_call>"
-    assert "nests deeper" in parse_tool_calls(deep)[1]
+    def nested(depth: int) -> str:
+        return '<tool_call>{"name":"a","arguments":{"x":' + "[" * depth + "]" * depth + "}}</tool_call>"
+
+    assert "nests deeper than 32" in parse_tool_calls(nested(3000))[1]
+    assert parse_tool_calls(nested(30)) == ([{"name": "a", "arguments": {"x": json.loads("[" * 30 + "]" * 30)}}], None)
+    assert "is longer than 8192" in parse_tool_calls(nested(5000))[1]
     # Default size limit: a megabyte message with a tag is refused outright.
     assert "longer than" in parse_tool_calls("<tool_call>" + "a" * mb)[1]
     big_block = '<tool_call>{"name":"a","arguments":{"s":"' + "a" * 20_000 + '"}}</tool_call>'
@@ -377,6 +378,7 @@ def test_full_conversation(env: ToolEnvironment) -> None:
     assert ret.metadata[0]["tool_calls"] == [{"name": "mul", "arguments": {"a": 37, "b": 4}, "ok": True}]
     assert ret.metadata[0]["ground_truth"] == "148" and "tool_calls" not in meta  # input not mutated
     assert ret.metrics["num_tool_calls"] == 1 and ret.metrics["num_tool_errors"] == 0
+    assert ret.metrics["num_terminated"] == 0 and "accuracy" not in ret.metrics
     log = log + [ret.observations[0]]
     for answer, reward in (("\\boxed{148}", 1.0), ("The answer is \\boxed{148.0}.", 1.0), ("148", 1.0),
                            ("\\boxed{147}", 0.0), ("I don't know", 0.0)):
@@ -387,14 +389,16 @@ def test_full_conversation(env: ToolEnvironment) -> None:
 
 
 def test_lookup_and_multiple_calls(env: ToolEnvironment) -> None:
-    text = call("lookup", key="apple") + call("add", a=1, b=2) + call("lookup", key="nowhere")
+    text = call("lookup", key="apple") + call("add", a=1, b=2) + call("lookup", key="nowhere") + call("add", a=1)
     ret = step1(env, [user("q"), assistant(text)], {"ground_truth": "3"})
     price = tools_mod.LOOKUP_TABLE["apple"]
     parts = ret.observations[0]["content"].split("\n")
     assert parts[:2] == [f"<tool_response>{price}</tool_response>", "<tool_response>3</tool_response>"]
     assert parts[2].startswith('<tool_response>{"error":"KeyError: no entry for')
-    assert ret.metrics["num_tool_calls"] == 3 and ret.metrics["num_tool_errors"] == 1
-    assert [c["ok"] for c in ret.metadata[0]["tool_calls"]] == [True, True, False]
+    assert parts[3] == '<tool_response>{"error":"missing argument \'b\'"}</tool_response>'
+    assert ret.metrics["num_tool_calls"] == 4 and ret.metrics["num_tool_errors"] == 2
+    assert [(c["name"], c["ok"]) for c in ret.metadata[0]["tool_calls"]] == [
+        ("lookup", True), ("add", True), ("lookup", False), ("add", False)]
 
 
 @pytest.mark.parametrize(
@@ -506,7 +510,8 @@ def test_malformed_items_score_zero_and_count(env: ToolEnvironment, log, meta) -
 @pytest.mark.parametrize("logs, meta", [([], []), (None, None), ([], None), (5, 5)])
 def test_degenerate_batches_never_raise(env: ToolEnvironment, logs, meta) -> None:
     ret = env.step(logs, meta)
-    assert len(ret.rewards) == 0 and ret.metrics["accuracy"] == 0.0
+    assert len(ret.rewards) == 0 and ret.metrics["num_terminated"] == 0
+    assert "accuracy" not in ret.metrics  # undefined: no episode ended
 
 
 def test_metadata_shorter_than_batch(env: ToolEnvironment) -> None:
@@ -556,7 +561,7 @@ def task_splits():
 
 
 def test_task_generator_deterministic_and_disjoint(task_splits) -> None:
-    from nemo_like.data.tool_tasks import generate_tool_dataset
+    from nemo_like.data.tool_tasks import generate_tool_dataset, tool_task_split_of
 
     train, val = task_splits
     assert generate_tool_dataset("train", 600, seed=3)[:] == train[:]
@@ -571,6 +576,8 @@ def test_task_generator_deterministic_and_disjoint(task_splits) -> None:
         return {json.loads(c)[0]["arguments"]["key"] for c, k in zip(ds["expected_calls"], ds["kind"]) if k == "lookup"}
 
     assert keys(train) and keys(val) and not keys(train) & keys(val)
+    assert {tool_task_split_of(p) for p in train["problem"]} == {"train"}
+    assert {tool_task_split_of(p) for p in val["problem"]} == {"validation"}
     with pytest.raises(ValueError, match="kinds"):
         generate_tool_dataset("train", 5, seed=0, kinds=["div"])
     with pytest.raises(ValueError, match="split"):
@@ -668,9 +675,3 @@ def test_tool_env_as_ray_actor(ray_cluster) -> None:
         assert done.metrics["accuracy"] == 0.5
     finally:
         ray.kill(actor, no_restart=True)
-    bad = create_env_actor("tool", {"tools": ["add", "nope"]})
-    try:
-        with pytest.raises(ray.exceptions.RayActorError, match="nope"):
-            ray.get(bad.step.remote([], []), timeout=120)
-    finally:
-        ray.kill(bad, no_restart=True)

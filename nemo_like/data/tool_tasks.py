@@ -33,13 +33,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import datasets
 
 from nemo_like.environments.tool_environment import TOOL_STOP_STRINGS, format_tool_call, format_tool_response
-from nemo_like.environments.tools import DEFAULT_TOOLS, LOOKUP_TABLE, get_tool, tool_schemas
+from nemo_like.environments.tools import DEFAULT_TOOLS, LOOKUP_TABLE, PRICES, get_tool, tool_schemas
 
 __all__ = [
     "TOOL_TASK_KINDS",
@@ -54,8 +55,6 @@ __all__ = [
 TOOL_TASK_KINDS = ("add", "mul", "lookup")
 VALIDATION_PERCENT = 10  # share of the arithmetic questions held out
 LOOKUP_VALIDATION_PERCENT = 25  # share of the (few) lookup keys held out
-# Lookup keys whose value is a price; the others are city populations.
-_PRICE_KEYS = frozenset(list(LOOKUP_TABLE)[:16])
 _ENUMERATION_LIMIT = 200_000
 
 
@@ -64,12 +63,15 @@ def _bucket(text: str) -> int:
     return int.from_bytes(hashlib.sha256(f"nemo_like-tool:{text}".encode()).digest()[:8], "big") % 100
 
 
-def tool_task_split_of(problem: str, kind: str | None = None) -> Literal["train", "validation"]:
-    """The split a question belongs to. Lookup questions are split by their key (so a held-out key
-    is never seen in training, whatever the phrasing), arithmetic ones by their text."""
-    if kind == "lookup":
-        key = problem.rsplit(" ", 1)[-1].rstrip("?")
-        return "validation" if _bucket(f"key:{key}") < LOOKUP_VALIDATION_PERCENT else "train"
+_LOOKUP_RE = re.compile(r"^(?:price|population) of (\w+)\?$")
+
+
+def tool_task_split_of(problem: str) -> Literal["train", "validation"]:
+    """The split a question belongs to, stable across processes. Lookup questions are split by their
+    key (so a held-out key never appears in training), arithmetic ones by their text."""
+    m = _LOOKUP_RE.match(problem)
+    if m:
+        return "validation" if _bucket(f"key:{m.group(1)}") < LOOKUP_VALIDATION_PERCENT else "train"
     return "validation" if _bucket(problem) < VALIDATION_PERCENT else "train"
 
 
@@ -80,7 +82,7 @@ def _question(kind: str, a: Any, b: Any = None) -> tuple[str, str, dict[str, Any
     if kind == "mul":
         return f"{a}*{b}=?", "mul", {"a": a, "b": b}
     if kind == "lookup":
-        what = "price" if a in _PRICE_KEYS else "population"
+        what = "price" if a in PRICES else "population"
         return f"{what} of {a}?", "lookup", {"key": a}
     raise ValueError(f"unknown tool task kind {kind!r} (choose from {list(TOOL_TASK_KINDS)})")
 
@@ -116,20 +118,20 @@ def make_tool_task(kind: str, a: Any, b: Any = None) -> dict[str, Any]:
 def _pool(kind: str, split: str, max_value: int, rng: random.Random, want: int) -> list[tuple]:
     """Distinct (a, b) of ``kind`` in ``split``, shuffled; at most ``want`` when the space is sampled."""
     if kind == "lookup":
-        pool = [(k, None) for k in LOOKUP_TABLE if tool_task_split_of(_question("lookup", k)[0], "lookup") == split]
+        pool = [(k, None) for k in LOOKUP_TABLE if tool_task_split_of(_question("lookup", k)[0]) == split]
         rng.shuffle(pool)
         return pool
     space = (max_value + 1) ** 2
     if space <= _ENUMERATION_LIMIT:
         pool = [(a, b) for a in range(max_value + 1) for b in range(max_value + 1)
-                if tool_task_split_of(_question(kind, a, b)[0], kind) == split]
+                if tool_task_split_of(_question(kind, a, b)[0]) == split]
         rng.shuffle(pool)
         return pool
     seen: set[tuple] = set()
     out: list[tuple] = []
     for _ in range(50 * want + 10_000):
         ab = (rng.randint(0, max_value), rng.randint(0, max_value))
-        if ab in seen or tool_task_split_of(_question(kind, *ab)[0], kind) != split:
+        if ab in seen or tool_task_split_of(_question(kind, *ab)[0]) != split:
             continue
         seen.add(ab)
         out.append(ab)

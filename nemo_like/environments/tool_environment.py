@@ -370,8 +370,9 @@ class ToolEnvironment(EnvironmentInterface):
     Never raises from :meth:`step`: a malformed sample (not a list of dicts, no assistant message,
     no ground truth when one is needed) scores 0, terminates and counts in ``num_failures``.
     Metrics: ``num_tool_calls``, ``num_tool_errors`` (time-outs included), ``num_malformed_calls``
-    (malformed messages), ``num_timeouts``, ``num_turn_limit``, ``num_terminated``, ``accuracy``
-    (mean reward over the terminated samples; 0 if none), ``num_failures``.
+    (malformed messages), ``num_timeouts``, ``num_turn_limit``, ``num_terminated``, ``num_correct``
+    (sum of the terminated samples' rewards), ``accuracy`` (their mean; absent when no sample
+    terminated in this step), ``num_failures``.
     """
 
     def __init__(self, config: dict | None = None) -> None:
@@ -470,6 +471,7 @@ class ToolEnvironment(EnvironmentInterface):
             jobs: list[tuple[Tool, dict]] = []
             job_slots: list[tuple[int, int]] = []  # (sample, index of the call in the sample)
             pending: dict[int, tuple[list[dict], list[str | None]]] = {}  # sample -> (calls, responses)
+            ok: dict[tuple[int, int], bool] = {}  # (sample, call) -> the call ran and returned
             for i in range(n):
                 try:
                     meta = meta_in[i] if meta_in[i] is not None else {}
@@ -514,7 +516,6 @@ class ToolEnvironment(EnvironmentInterface):
                         if err is not None:
                             responses[c] = format_tool_response(error=err)
                             m["num_tool_errors"] += 1
-                            self._record(meta, call, ok=False)
                             continue
                         jobs.append((t, call["arguments"]))  # type: ignore[arg-type]
                         job_slots.append((i, c))
@@ -534,8 +535,10 @@ class ToolEnvironment(EnvironmentInterface):
                     m["num_timeouts"] += timed_out
                 else:
                     responses[c] = f"{RESPONSE_OPEN}{payload}{RESPONSE_CLOSE}"
-                self._record(out_meta[i], calls[c], ok=err is None)  # type: ignore[arg-type]
+                    ok[(i, c)] = True
             for i, (calls, responses) in pending.items():
+                for c, call in enumerate(calls):  # recorded in call order, for the next turn
+                    self._record(out_meta[i], call, ok=ok.get((i, c), False))  # type: ignore[arg-type]
                 content = "\n".join(r if r is not None else format_tool_response(error="internal error")
                                     for r in responses)
                 observations[i] = {"role": "tool", "content": content}
@@ -550,7 +553,9 @@ class ToolEnvironment(EnvironmentInterface):
         done = [i for i in range(n) if terminated[i]]
         metrics = {k: float(v) for k, v in m.items()}
         metrics["num_terminated"] = float(len(done))
-        metrics["accuracy"] = sum(rewards[i] for i in done) / len(done) if done else 0.0
+        metrics["num_correct"] = float(sum(rewards[i] for i in done))
+        if done:  # undefined when no episode ended (a rollout averaging it over turns must not see a 0)
+            metrics["accuracy"] = metrics["num_correct"] / len(done)
         return EnvironmentReturn(
             observations=[dict(o) for o in observations],
             metadata=out_meta,

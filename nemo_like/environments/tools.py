@@ -51,6 +51,8 @@ __all__ = [
     "validate_arguments",
     "resolve_tool",
     "LOOKUP_TABLE",
+    "PRICES",
+    "POPULATIONS",
     "DEFAULT_TOOLS",
 ]
 
@@ -468,15 +470,16 @@ def validate_arguments(arguments: Any, parameters: dict[str, Any]) -> str | None
 # ------------------------------------------------------------------------------ built-in tools
 # A fixed, fictional table (prices of items, populations of made-up cities) so that answers can only
 # come from calling the tool. Keys are short lowercase words: the tiny char-level model copies them.
-LOOKUP_TABLE: dict[str, int] = {
-    # item -> price
+PRICES: dict[str, int] = {
     "apple": 3, "pear": 5, "plum": 2, "fig": 7, "kiwi": 4, "lime": 6, "melon": 9, "grape": 8,
     "bread": 12, "milk": 11, "egg": 1, "tea": 14, "rice": 13, "salt": 10, "jam": 15, "corn": 16,
-    # city -> population
+}
+POPULATIONS: dict[str, int] = {
     "zorb": 4120, "quil": 987, "vand": 2305, "mirk": 7781, "teph": 652, "dral": 3390, "oskin": 1450,
     "brell": 5012, "yarn": 8264, "pox": 319, "glim": 6048, "huxa": 2777, "wend": 1096, "krat": 9433,
     "lumo": 505, "fenn": 7120,
 }
+LOOKUP_TABLE: dict[str, int] = {**PRICES, **POPULATIONS}
 
 
 def add(a: int, b: int) -> int:
