@@ -84,8 +84,18 @@ class BootstrapConfig(_Strict):
 
 class DataConfig(_Strict):
     max_input_seq_length: int = Field(64, gt=0)
-    train: DatasetConfig
-    validation: DatasetConfig | None = None
+    # One dataset, or a list of them for a multi-task run (each routed to its task's environment).
+    train: DatasetConfig | list[DatasetConfig]
+    validation: DatasetConfig | list[DatasetConfig] | None = None
+
+    @property
+    def train_list(self) -> list[DatasetConfig]:
+        return self.train if isinstance(self.train, list) else [self.train]
+
+    @property
+    def validation_list(self) -> list[DatasetConfig]:
+        v = self.validation
+        return [] if v is None else v if isinstance(v, list) else [v]
 
 
 class MasterConfig(_Strict):

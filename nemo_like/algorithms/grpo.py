@@ -129,9 +129,13 @@ class GRPOTrainer:
         """Greedy accuracy on the held-out set (reward 1.0 = correct for the math environment)."""
         if self.val_dataset is None:
             return {}
-        n = min(len(self.val_dataset), self.config.grpo.max_val_samples)
+        cap = self.config.grpo.max_val_samples
+        # Multi-task: up to max_val_samples of every task, so each task's accuracy is measured.
+        idx = (self.val_dataset.first_indices(cap) if hasattr(self.val_dataset, "first_indices")
+               else range(min(len(self.val_dataset), cap)))
+        n = len(idx)
         t0 = time.perf_counter()
-        batch = rl_collate_fn([self.val_dataset[i] for i in range(n)])
+        batch = rl_collate_fn([self.val_dataset[i] for i in idx])
         batch, m = self._rollout(batch, greedy=True)
         rewards = batch["total_reward"]
         out = {"val/accuracy": float((rewards >= 1.0).float().mean()), "val/reward_mean": float(rewards.mean()),
@@ -234,6 +238,17 @@ def accuracy_summary(trainer: GRPOTrainer) -> str:
             f"({(a1 - a0) * 100:+.1f} points)")
 
 
+def per_task_summary(trainer: GRPOTrainer) -> list[str]:
+    """`<task>: first -> last` held-out accuracy per task (multi-task runs)."""
+    lines = []
+    keys = sorted({k for h in trainer.history for k in h if k.startswith("val/") and k.endswith("/accuracy")
+                   and k.count("/") == 2})
+    for key in keys:
+        vals = [h[key] for h in trainer.history if key in h]
+        lines.append(f"{key.split('/')[1]}: {vals[0]:.1%} -> {vals[-1]:.1%} ({(vals[-1] - vals[0]) * 100:+.1f} points)")
+    return lines
+
+
 def dump_config(config: MasterConfig) -> dict:
     return json.loads(config.model_dump_json())
 
@@ -273,14 +288,19 @@ def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
 
 
 # ---- setup ------------------------------------------------------------------------------------
-def build_task_dataset(ds_cfg, rows, tokenizer, max_seq_length: int):
-    """Rows of a dataset config -> DatumSpecs through the task's processor."""
+def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sft: bool = False):
+    """Rows of each dataset config -> DatumSpecs through its task's processor; several datasets are
+    served as one (a multi-task run)."""
     from nemo_like.data.interfaces import TaskDataSpec
-    from nemo_like.data.processors import AllTaskProcessedDataset, math_data_processor
+    from nemo_like.data.processors import AllTaskProcessedDataset, ConcatTaskDataset, get_processor
 
-    spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
-    return AllTaskProcessedDataset(rows, tokenizer, spec, {ds_cfg.task_name: (spec, math_data_processor)},
-                                   max_seq_length=max_seq_length)
+    parts = []
+    for ds_cfg, rows in zip(ds_cfgs, rows_list, strict=True):
+        spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
+        proc = get_processor(ds_cfg.processor or ds_cfg.env_name, sft=sft)
+        parts.append(AllTaskProcessedDataset(rows, tokenizer, spec, {ds_cfg.task_name: (spec, proc)},
+                                             max_seq_length=max_seq_length))
+    return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
 
 
 def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
@@ -302,8 +322,9 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     torch.manual_seed(cfg.grpo.seed)
     resources: list[Any] = []
     # Data files are read before Ray starts, so a malformed file fails in a second.
-    train_rows = load_dataset_from_config(cfg.data.train)
-    val_rows = load_dataset_from_config(cfg.data.validation) if cfg.data.validation else None
+    train_cfgs, val_cfgs = cfg.data.train_list, cfg.data.validation_list
+    train_rows = [load_dataset_from_config(c) for c in train_cfgs]
+    val_rows = [load_dataset_from_config(c) for c in val_cfgs]
     # So is a checkpoint_dir that belongs to a different run.
     ckpt = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
     latest = ckpt.get_latest_checkpoint_path() if (ckpt and resume) else None
@@ -334,11 +355,11 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         max_in = cfg.data.max_input_seq_length
-        train_ds = build_task_dataset(cfg.data.train, train_rows, tokenizer, max_in)
-        val_ds = build_task_dataset(cfg.data.validation, val_rows, tokenizer, max_in) if val_rows else None
+        train_ds = build_task_dataset(train_cfgs, train_rows, tokenizer, max_in)
+        val_ds = build_task_dataset(val_cfgs, val_rows, tokenizer, max_in) if val_rows else None
 
         envs: dict[str, Any] = {}
-        for ds_cfg in [cfg.data.train] + ([cfg.data.validation] if cfg.data.validation else []):
+        for ds_cfg in train_cfgs + val_cfgs:
             if ds_cfg.task_name not in envs:
                 actor = create_env_actor(ds_cfg.env_name, cfg.env.get(ds_cfg.env_name, {}))
                 envs[ds_cfg.task_name] = actor

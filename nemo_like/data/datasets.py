@@ -34,6 +34,7 @@ class ArithmeticConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal["arithmetic"] = "arithmetic"
     split: Literal["train", "validation"]
     num_samples: int = Field(gt=0)
     seed: int
@@ -138,6 +139,53 @@ def _too_few_message(cfg: ArithmeticConfig, space: int, available: int | None) -
     )
 
 
+class ToolTasksGeneratorConfig(BaseModel):
+    """Procedural tool-calling questions (:mod:`nemo_like.data.tool_tasks`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["tool"]
+    split: Literal["train", "validation"]
+    num_samples: int = Field(gt=0)
+    seed: int
+    kinds: list[str] | None = None  # None: every kind
+    max_value: int = Field(default=99, ge=1)
+
+
+class CodeTasksGeneratorConfig(BaseModel):
+    """Procedural code-writing problems (:mod:`nemo_like.data.code_tasks`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["code"]
+    split: Literal["train", "validation"]
+    num_samples: int | None = Field(default=None, gt=0)
+    seed: int = 0
+    templates: list[str] | None = None  # None: every template
+
+
+GeneratorConfig = ArithmeticConfig | ToolTasksGeneratorConfig | CodeTasksGeneratorConfig
+
+
+def _generate(gen: GeneratorConfig) -> datasets.Dataset:
+    if isinstance(gen, ArithmeticConfig):
+        return generate_arithmetic_dataset(gen)
+    if isinstance(gen, ToolTasksGeneratorConfig):
+        from nemo_like.data.tool_tasks import generate_tool_dataset
+
+        extra = {"kinds": gen.kinds} if gen.kinds else {}
+        try:
+            return generate_tool_dataset(gen.split, gen.num_samples, gen.seed, max_value=gen.max_value, **extra)
+        except ValueError as e:
+            raise DataError(f"tool task generator: {e}") from e
+    from nemo_like.data.code_tasks import CodeTasksConfig, generate_code_tasks
+
+    fields = gen.model_dump(exclude={"kind"}, exclude_none=True)
+    ds = generate_code_tasks(CodeTasksConfig(**fields))
+    # The reference program doubles as the "answer" column every dataset has (used for SFT).
+    return ds.add_column("expected_answer", ds["reference_solution"])
+
+
 class DatasetConfig(BaseModel):
     """Where a dataset comes from: a local file or hub dataset (``path``) or the arithmetic ``generator``."""
 
@@ -145,12 +193,13 @@ class DatasetConfig(BaseModel):
 
     path: str | None = None  # local .jsonl/.json/.parquet/.csv, or "hf:<name>"
     split: str = "train"  # hub split; ignored for local files and the generator
-    generator: ArithmeticConfig | None = None
+    generator: GeneratorConfig | None = None
     num_samples: int | None = Field(default=None, gt=0)  # keep at most this many rows (the first ones)
     problem_key: str = "problem"
     answer_key: str = "expected_answer"
     task_name: str = "math"
     env_name: str = "math"
+    processor: str | None = None  # data processor by name (see data.processors); None: same as env_name
     prompt: str | None = None  # format string with exactly one "{}"
     system_prompt: str | None = None
 
@@ -190,8 +239,8 @@ def load_dataset_from_config(cfg: DatasetConfig) -> datasets.Dataset:
     ``cfg.task_name`` on every row. Raises DataError naming the file (and line) when the data is bad.
     """
     if cfg.generator is not None:
-        ds = generate_arithmetic_dataset(cfg.generator)
-        source = f"arithmetic generator (split={cfg.generator.split}, seed={cfg.generator.seed})"
+        ds = _generate(cfg.generator)
+        source = f"{cfg.generator.kind} generator (split={cfg.generator.split}, seed={cfg.generator.seed})"
     else:
         assert cfg.path is not None
         if cfg.path.startswith("hf:"):

@@ -231,3 +231,84 @@ class AllTaskProcessedDataset(Dataset):
         row = dict(self.dataset[i])
         spec, processor = self._route(row.get("task_name") or self.default_task_data_spec.task_name)
         return processor(row, spec, self.tokenizer, self.max_seq_length, i)
+
+
+# ---- processor registry ------------------------------------------------------------------------
+def _boxed_response(datum: dict[str, Any]) -> str:
+    return f"\\boxed{{{datum['expected_answer']}}}"
+
+
+def _math_sft(datum, spec, tokenizer, max_seq_length, idx):
+    return sft_data_processor(datum, spec, tokenizer, max_seq_length, idx, response_fn=_boxed_response)
+
+
+def _code_sft(datum, spec, tokenizer, max_seq_length, idx):
+    return sft_data_processor(datum, spec, tokenizer, max_seq_length, idx,
+                              response_fn=lambda d: str(d["reference_solution"]))
+
+
+# name -> (RL processor, SFT processor); entries may be import paths, resolved on first use so that
+# registering the built-ins imports nothing.
+_PROCESSORS: dict[str, tuple[DataProcessor | str, DataProcessor | str | None]] = {
+    "math": (math_data_processor, _math_sft),
+    "code": ("nemo_like.data.code_tasks.code_data_processor", _code_sft),
+    "tool": ("nemo_like.data.tool_tasks.tool_data_processor", "nemo_like.data.tool_tasks.tool_sft_data_processor"),
+}
+
+
+def register_processor(name: str, processor: DataProcessor | str, sft_processor: DataProcessor | str | None = None,
+                       *, overwrite: bool = False) -> None:
+    """Make `processor` (row -> DatumSpec for RL) and optionally `sft_processor` (row -> DatumSpec
+    ending with the target assistant turn) available as `data.<split>.processor: name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"processor name must be a non-empty string, got {name!r}")
+    if name in _PROCESSORS and not overwrite:
+        raise ValueError(f"a data processor named {name!r} is already registered; pass overwrite=True")
+    _PROCESSORS[name] = (processor, sft_processor)
+
+
+def _resolve(entry: DataProcessor | str) -> DataProcessor:
+    if not isinstance(entry, str):
+        return entry
+    import importlib
+
+    module, _, attr = entry.replace(":", ".").rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def get_processor(name: str, *, sft: bool = False) -> DataProcessor:
+    if name not in _PROCESSORS:
+        raise KeyError(f"no data processor named {name!r}; registered: {sorted(_PROCESSORS)} "
+                       "(add one with nemo_like.data.processors.register_processor)")
+    rl, sft_proc = _PROCESSORS[name]
+    if sft:
+        if sft_proc is None:
+            raise KeyError(f"data processor {name!r} has no SFT variant, so it cannot bootstrap a model")
+        return _resolve(sft_proc)
+    return _resolve(rl)
+
+
+class ConcatTaskDataset(Dataset):
+    """Several task datasets behind one index: a multi-task run samples across all of them."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        if not parts:
+            raise ValueError("ConcatTaskDataset needs at least one dataset")
+        self.parts = list(parts)
+        self.offsets = [0]
+        for p in self.parts:
+            self.offsets.append(self.offsets[-1] + len(p))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, i: int) -> DatumSpec:
+        i = operator.index(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for a dataset of {len(self)} rows")
+        k = next(k for k in range(len(self.parts)) if i < self.offsets[k + 1])
+        return self.parts[k][i - self.offsets[k]]
+
+    def first_indices(self, per_part: int) -> list[int]:
+        """The first `per_part` rows of every part (validation covers every task)."""
+        return [self.offsets[k] + j for k, p in enumerate(self.parts) for j in range(min(per_part, len(p)))]

@@ -17,16 +17,13 @@ from nemo_like.config import MasterConfig
 _RECIPE_VERSION = 1
 
 
-def format_answer(answer: str) -> str:
-    return f"\\boxed{{{answer}}}"
-
-
 def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     b = cfg.bootstrap
     assert b is not None
-    data_cfg = b.data or cfg.data.train
+    data_cfgs = [b.data] if b.data else cfg.data.train_list
     key = json.dumps({"v": _RECIPE_VERSION, "model": b.model.model_dump(), "sft": b.sft.model_dump(),
-                      "seed": b.seed, "data": data_cfg.model_dump(), "max_in": cfg.data.max_input_seq_length,
+                      "seed": b.seed, "data": [d.model_dump() for d in data_cfgs],
+                      "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
                       "workers": cfg.cluster.num_workers}, sort_keys=True)
     return Path(b.cache_dir).expanduser() / f"tiny-math-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -38,8 +35,6 @@ def ensure_base_model(cfg: MasterConfig, cluster: Any) -> str:
         return str(out)
     from nemo_like.algorithms.sft import sft_train
     from nemo_like.data.datasets import load_dataset_from_config
-    from nemo_like.data.interfaces import TaskDataSpec
-    from nemo_like.data.processors import AllTaskProcessedDataset, sft_data_processor
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
@@ -53,12 +48,11 @@ def ensure_base_model(cfg: MasterConfig, cluster: Any) -> str:
                      num_heads=b.model.num_heads, intermediate_size=b.model.intermediate_size,
                      max_position_embeddings=b.model.max_position_embeddings, seed=b.seed, save_dir=tmp)
 
-    data_cfg = b.data or cfg.data.train
-    rows = load_dataset_from_config(data_cfg)
-    rows = rows.map(lambda r: {"response": format_answer(r["expected_answer"])})
-    spec = TaskDataSpec(task_name=data_cfg.task_name, prompt=data_cfg.prompt, system_prompt=data_cfg.system_prompt)
-    dataset = AllTaskProcessedDataset(rows, tok, spec, sft_data_processor,
-                                      max_seq_length=cfg.policy.max_total_sequence_length)
+    from nemo_like.algorithms.grpo import build_task_dataset
+
+    data_cfgs = [b.data] if b.data else cfg.data.train_list
+    dataset = build_task_dataset(data_cfgs, [load_dataset_from_config(d) for d in data_cfgs], tok,
+                                 cfg.policy.max_total_sequence_length, sft=True)
 
     s = b.sft
     policy_cfg = cfg.policy.model_copy(update={
