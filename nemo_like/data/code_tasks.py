@@ -132,8 +132,15 @@ def code_split_of(problem: str) -> Literal["train", "validation"]:
 
 
 def _tests_of(p: _Problem) -> list[str]:
-    rng = random.Random("nemo_like-code-tests-" + p.problem)  # depends on the problem text only
-    return [f"assert f({', '.join(repr(a) for a in args)})=={p.fn(*args)!r}" for args in p.inputs(rng)]
+    """NUM_TESTS asserts, drawn from the problem text only; inputs are redrawn until the expected
+    outputs differ from each other (so e.g. ``return 0`` cannot pass two ``x mod 8`` tests)."""
+    rng = random.Random("nemo_like-code-tests-" + p.problem)
+    for _ in range(100):
+        inputs = p.inputs(rng)
+        outputs = [p.fn(*args) for args in inputs]
+        if len(set(outputs)) == len(outputs):
+            break
+    return [f"assert f({', '.join(repr(a) for a in args)})=={y!r}" for args, y in zip(inputs, outputs)]
 
 
 class CodeTasksConfig(BaseModel):

@@ -438,19 +438,22 @@ class Sandbox:
             argv += ["--unshare-user"] + (["--disable-userns"] if version >= (0, 8) else [])
         argv += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         argv += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "1777", *size, "--tmpfs", "/dev/shm"]
+        # hidden dirs containing the interpreter are mounted first, the interpreter is bound back
+        # into them, and hidden dirs inside the interpreter's install (odd, but possible) come last
+        hidden = [h for h in hidden if h not in interpreter_dirs]
         outer = [h for h in hidden if not any(_is_within(h, d) for d in interpreter_dirs)]
         inner = [h for h in hidden if h not in outer]
         for h in outer:
             argv += ["--tmpfs", h]
         made: set[str] = set()
         for d in interpreter_dirs:
-            roots = [h for h in outer if _is_within(d, h) and h != d]
-            if not roots and d not in outer:
+            roots = [h for h in ["/tmp", *outer] if _is_within(d, h) and h != d]
+            if not roots:
                 continue  # visible through the read-only root already
             # recreate the path's directories world-traversable (bwrap would make them 0700,
             # which the dropped uid could not enter), then bind the install back read-only
-            root = max(roots, key=len) if roots else d
-            rel = os.path.relpath(d, root).split(os.sep) if d != root else []
+            root = max(roots, key=len)
+            rel = os.path.relpath(d, root).split(os.sep)
             cur = root
             for part in rel[:-1]:
                 cur = os.path.join(cur, part)
@@ -460,13 +463,14 @@ class Sandbox:
             argv += ["--ro-bind", d, d]
         for h in inner:
             argv += ["--tmpfs", h]
+        for h in outer + inner:  # empty and read-only: no writing to (RAM-backed) hidden dirs either
+            argv += ["--remount-ro", h]
         argv += ["--chdir", "/tmp"]
         if version >= (0, 6):
             argv += ["--clearenv"]
         for k, v in {**_SAFE_ENV, "HOME": "/tmp"}.items():
             argv += ["--setenv", k, v]
         self._bwrap_argv_head = argv
-        self._bwrap = bwrap
         # self-test: a real run, which imports a module after the privilege drop
         probe = self._run_one("import fractions\nx = fractions.Fraction(1, 2)\n", ["assert x * 2 == 1"], 30.0)
         if probe.status != "ok" or probe.tests_passed != [True]:
@@ -526,11 +530,12 @@ class Sandbox:
         n = min(n, self.config.max_concurrency, len(jobs))
 
         def one(job: tuple[str, Sequence[str]]) -> SandboxResult:
-            program, tests = job
             try:
+                program, tests = job
                 return self.run(program, tests, timeout_s=timeout_s)
             except Exception as e:  # a bad job (not strings) must not sink its batch
-                return SandboxResult("sandbox_error", [False] * _safe_len(tests), error=f"{type(e).__name__}: {e}")
+                n_tests = _safe_len(job[1]) if isinstance(job, tuple) and len(job) == 2 else 0
+                return SandboxResult("sandbox_error", [False] * n_tests, error=f"{type(e).__name__}: {e}")
 
         if n == 1:
             return [one(j) for j in jobs]
@@ -546,13 +551,20 @@ class Sandbox:
         ).encode()
         env = {**_SAFE_ENV, "HOME": "/tmp"}
         workdir = None
-        if self.mode == "unsandboxed":
+        info_r = info_w = -1
+        argv = self._argv()
+        if self.mode == "bwrap":
+            # bwrap reports the pid of the container's init on this pipe; killing that init takes
+            # down every process in the container, and its exit means they are all gone
+            info_r, info_w = os.pipe()
+            argv = [argv[0], "--info-fd", str(info_w), *argv[1:]]
+        else:
             workdir = tempfile.mkdtemp(prefix="nemo_like_sbx_")
             env["HOME"] = env["TMPDIR"] = workdir
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
-                self._argv(),
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -560,56 +572,87 @@ class Sandbox:
                 cwd=workdir or "/",
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=(info_w,) if info_w >= 0 else (),
             )
         except OSError as e:
+            for fd in (info_r, info_w):
+                if fd >= 0:
+                    os.close(fd)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
             return SandboxResult("sandbox_error", [False] * len(tests), error=f"cannot start the sandbox: {e}")
+        if info_w >= 0:
+            os.close(info_w)
+        state = _RunState()
         try:
-            out, results, flag, timed_out = self._communicate(proc, payload, start + timeout, len(tests))
+            self._communicate(proc, payload, start + timeout, len(tests), info_r, state)
         finally:
-            try:  # kill whatever is left of the group *before* reaping, so the pgid cannot be reused
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                try:
-                    stream.close()  # type: ignore[union-attr]
-                except Exception:
-                    pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS
-                pass
+            self._kill(proc, state)
+            for fd in (info_r, state.init_pidfd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
         duration = time.monotonic() - start
-        return self._interpret(nonce, out, results, flag, timed_out, proc.returncode, len(tests), duration)
+        return self._interpret(nonce, state, proc.returncode, len(tests), duration)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen, state: _RunState) -> None:
+        """Kill everything the run started and wait until it is gone (bounded)."""
+        if state.init_pidfd is not None:
+            try:
+                signal.pidfd_send_signal(state.init_pidfd, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+        try:  # the whole group, *before* reaping, so the pgid cannot have been reused
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                stream.close()  # type: ignore[union-attr]
+            except Exception:
+                pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS
+            pass
+        if state.init_pidfd is not None:
+            # the container's init exits only after every process of its pid namespace is dead
+            try:
+                waiter = selectors.DefaultSelector()
+                waiter.register(state.init_pidfd, selectors.EVENT_READ)
+                waiter.select(10)
+                waiter.close()
+            except (OSError, ValueError):
+                pass
 
     def _communicate(
-        self, proc: subprocess.Popen, payload: bytes, deadline: float, n_tests: int
-    ) -> tuple[bytes, bytes, str | None, bool]:
-        """Feed stdin and read both pipes with caps until the process exits or the deadline passes.
+        self, proc: subprocess.Popen, payload: bytes, deadline: float, n_tests: int, info_fd: int, state: _RunState
+    ) -> None:
+        """Feed stdin and read the pipes with caps until the process exits or the deadline passes.
 
-        Returns (program output, result channel, "output_limit" or None, timed_out). Never blocks past
-        the deadline: all pipes are non-blocking and the process exit is watched through a pidfd
-        (polling waitid without reaping where pidfds are unavailable).
+        Fills ``state``: program output, result channel, output_limit / timed_out flags and a pidfd of
+        the container's init. Never blocks past the deadline: all pipes are non-blocking and the
+        process exit is watched through a pidfd (polling waitid without reaping where pidfds are
+        unavailable).
         """
         out_cap = self.config.max_output_bytes
         res_cap = 4096 + _RESULT_LINE_CAP * (n_tests + 4)
-        out, res = bytearray(), bytearray()
+        info = bytearray()
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         sel = selectors.DefaultSelector()
-        fds = {"in": proc.stdin.fileno(), "out": proc.stdout.fileno(), "res": proc.stderr.fileno()}
-        for fd in fds.values():
+        for fd in (proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()):
             os.set_blocking(fd, False)
         view = memoryview(payload)
         if view:
-            sel.register(fds["in"], selectors.EVENT_WRITE, "in")
+            sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, "in")
         else:
             proc.stdin.close()
-        sel.register(fds["out"], selectors.EVENT_READ, "out")
-        sel.register(fds["res"], selectors.EVENT_READ, "res")
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
+        sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "res")
+        if info_fd >= 0:
+            sel.register(info_fd, selectors.EVENT_READ, "info")
         pidfd = None
         try:
             pidfd = os.pidfd_open(proc.pid)
@@ -617,7 +660,6 @@ class Sandbox:
         except (AttributeError, OSError):
             pidfd = None
         exited_at: float | None = None
-        flag: str | None = None
         try:
             while True:
                 now = time.monotonic()
@@ -625,9 +667,10 @@ class Sandbox:
                     exited_at = now
                 open_pipes = any(k.data in ("out", "res") for k in sel.get_map().values())
                 if exited_at is not None and (not open_pipes or now - exited_at > 0.25):
-                    return bytes(out), bytes(res), flag, False  # exited (stragglers get 0.25 s to flush)
+                    return  # exited (stragglers get 0.25 s to flush)
                 if now >= deadline:
-                    return bytes(out), bytes(res), flag, True
+                    state.timed_out = True
+                    return
                 wait = deadline - now
                 if pidfd is None:
                     wait = min(wait, 0.02)
@@ -658,29 +701,27 @@ class Sandbox:
                             chunk = b""
                         if not chunk:
                             sel.unregister(key.fd)
+                            if what == "info" and state.init_pidfd is None:
+                                state.init_pidfd = _open_init_pidfd(info)
                             continue
-                        buf, cap = (out, out_cap) if what == "out" else (res, res_cap)
+                        if what == "info":
+                            info += chunk[: max(0, 4096 - len(info))]
+                            if state.init_pidfd is None and b"}" in info:
+                                state.init_pidfd = _open_init_pidfd(info)
+                            continue
+                        buf, cap = (state.out, out_cap) if what == "out" else (state.res, res_cap)
                         room = cap - len(buf)
                         buf += chunk[: max(room, 0)]
                         if len(chunk) > room:
-                            flag = "output_limit"
-                            return bytes(out), bytes(res), flag, False
+                            state.output_limit = True
+                            return
         finally:
             sel.close()
             if pidfd is not None:
                 os.close(pidfd)
 
-    def _interpret(
-        self,
-        nonce: str,
-        out: bytes,
-        res: bytes,
-        flag: str | None,
-        timed_out: bool,
-        returncode: int | None,
-        n_tests: int,
-        duration: float,
-    ) -> SandboxResult:
+    def _interpret(self, nonce: str, state: _RunState, returncode: int | None, n_tests: int, duration: float) -> SandboxResult:
+        out, res, timed_out = bytes(state.out), bytes(state.res), state.timed_out
         tag = nonce.encode()
         events: list[tuple[str, int, str]] = []
         other: list[str] = []
@@ -706,7 +747,7 @@ class Sandbox:
                     test_errors[index] = info
         text = out.decode("utf-8", "replace")
         error = ""
-        if flag == "output_limit":
+        if state.output_limit:
             status, error = "output_limit", f"output exceeded {self.config.max_output_bytes} bytes"
         elif "done" in kinds:
             status = "ok"
@@ -731,6 +772,24 @@ class Sandbox:
             error=error,
             test_errors=test_errors,
         )
+
+
+@dataclasses.dataclass
+class _RunState:
+    out: bytearray = dataclasses.field(default_factory=bytearray)  # the program's stdout+stderr
+    res: bytearray = dataclasses.field(default_factory=bytearray)  # the prelude's result lines
+    output_limit: bool = False
+    timed_out: bool = False
+    init_pidfd: int | None = None  # the bwrap container's init (pid 1 of its pid namespace)
+
+
+def _open_init_pidfd(info: bytes) -> int | None:
+    """pidfd of the container init named in bwrap's --info-fd JSON ({"child-pid": N, ...})."""
+    try:
+        pid = json.loads(bytes(info).decode())["child-pid"]
+        return os.pidfd_open(int(pid)) if isinstance(pid, int) and pid > 1 else None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return None
 
 
 def _exited(pid: int) -> bool:
