@@ -154,3 +154,46 @@ def test_unterminated_after_max_turns(setup_env):
     assert int(out["num_turns"][0]) == 2
     assert out["total_reward"][0].item() == pytest.approx(0.5)
     assert m["unterminated_rate"] == 1.0
+
+
+class DiesOnceEnv(EnvironmentInterface):
+    """Kills its own process the first time it is called (marker file), then grades normally."""
+
+    def __init__(self, config):
+        self.marker = config["marker"]
+
+    def step(self, message_log_batch, metadata):
+        import os
+
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        n = len(message_log_batch)
+        return EnvironmentReturn([{"role": "environment", "content": "ok"}] * n, list(metadata), [None] * n,
+                                 torch.ones(n), torch.ones(n, dtype=torch.bool), {})
+
+
+class AlwaysDiesEnv(EnvironmentInterface):
+    def __init__(self, config):
+        pass
+
+    def step(self, message_log_batch, metadata):
+        import os
+
+        os._exit(1)
+
+
+def test_killed_environment_actor_is_restarted_and_the_step_retried(setup_env, tmp_path):
+    from nemo_like.environments.registry import create_env_actor, register_env
+
+    _, tok, model = setup_env
+    register_env("dies_once", DiesOnceEnv, overwrite=True)
+    register_env("always_dies", AlwaysDiesEnv, overwrite=True)
+    envs = {"once": create_env_actor("dies_once", {"marker": str(tmp_path / "died")}),
+            # No retries here only to keep the test short; the default (2) is bounded the same way.
+            "always": create_env_actor("always_dies", {}, actor_options={"max_task_retries": 0})}
+    out, m = run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, [("once", 1), ("always", 1), ("once", 1)]),
+                                    tok, envs, max_turns=1, max_seq_len=200)
+    assert (tmp_path / "died").exists()  # the first call really killed the actor
+    assert out["total_reward"].tolist() == [1.0, 0.0, 1.0]  # retried on the restarted actor
+    assert m["env/always/step_errors"] == 1.0 and "env/once/step_errors" not in m

@@ -145,8 +145,10 @@ def create_env_actor(
 ) -> ActorHandle:
     """Start the environment ``name`` as a Ray actor constructed with ``config``.
 
-    ``max_restarts=-1``/``max_task_retries=-1``: a grader that dies (OOM, a killed node) is
-    restarted and the in-flight ``step`` retried, so one bad sample cannot end a training run.
+    ``max_restarts=-1``/``max_task_retries=2``: a grader that dies (OOM, a killed node) is
+    restarted and the in-flight ``step`` retried, so one bad sample cannot end a training run; the
+    retries are bounded so a batch that kills its grader every time fails (and scores 0 in the
+    trainer) instead of hanging the run.
     ``num_cpus=0``: graders are mostly idle and must never keep the policy workers from being
     scheduled on a small machine. ``actor_options`` overrides any of these (e.g. a code sandbox
     that wants real CPUs, or a ``name`` to look the actor up later).
@@ -156,6 +158,6 @@ def create_env_actor(
     cls = get_env_class(name)
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"environment {name!r}: config must be a dict, got {type(config).__name__}")
-    options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": -1, "num_cpus": 0}
+    options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 2, "num_cpus": 0}
     options.update(actor_options or {})
     return ray.remote(cls).options(**options).remote(dict(config or {}))
