@@ -1,37 +1,22 @@
 """GRPO on math. `uv run examples/run_grpo_math.py [--config PATH] [key=value ...]`
 
 With no arguments it runs the embedded default (examples/configs/grpo_math_tiny.yaml): a tiny
-char-level Llama, built and SFT-bootstrapped locally on first use, learns 3-digit addition on CPU.
+char-level Llama, built and SFT-bootstrapped locally on first use, learns 2-digit addition on CPU.
+The loop is `GRPOExperiment.train()`, the same object a notebook drives step by step.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
-from nemo_like.cli import run_cli
+from nemo_like.cli import run_cli, run_grpo
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_tiny.yaml"
 
 
 def main(argv: list[str]) -> int:
-    from nemo_like.algorithms.grpo import accuracy_summary, grpo_train, setup
-    from nemo_like.utils.plotting import save_training_curves
-
-    def run(config) -> None:
-        t0 = time.perf_counter()
-        trainer = setup(config)
-        try:
-            grpo_train(trainer)
-            png = save_training_curves(trainer.history, Path(config.logger.log_dir) / "curves.png")
-            print(f"[nemo_like] {accuracy_summary(trainer)}")
-            print(f"[nemo_like] {trainer.step_count} steps, wall time {time.perf_counter() - t0:.0f} s; "
-                  f"metrics: {Path(config.logger.log_dir) / 'metrics.jsonl'}; curves: {png}")
-        finally:
-            trainer.close()
-
-    return run_cli(argv, DEFAULT_CONFIG, run)
+    return run_cli(argv, DEFAULT_CONFIG, run_grpo)
 
 
 if __name__ == "__main__":

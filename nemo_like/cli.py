@@ -24,3 +24,22 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterCo
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_grpo(config: MasterConfig) -> None:
+    """The GRPO CLI: a thin loop over `GRPOExperiment` (the object a notebook drives), then a
+    before/after accuracy summary (per task in multi-task runs) and the curves as a PNG."""
+    import time
+
+    from nemo_like.algorithms.grpo import accuracy_summary, per_task_summary
+    from nemo_like.experiment import GRPOExperiment
+
+    t0 = time.perf_counter()
+    with GRPOExperiment(config) as exp:
+        exp.train()
+        png = exp.save_plot()
+        print(f"[nemo_like] {accuracy_summary(exp.trainer)}")
+        for line in per_task_summary(exp.trainer):
+            print(f"[nemo_like]   {line}")
+        print(f"[nemo_like] {exp.step_count} steps, wall time {time.perf_counter() - t0:.0f} s; "
+              f"metrics: {Path(config.logger.log_dir) / 'metrics.jsonl'}; curves: {png}")

@@ -255,7 +255,7 @@ def test_math_processor_matches_chat_template(tok):
     assert flat.dtype == torch.long
     assert flat.tolist() == ids_of(tok, rendered)
     assert datum["length"] == len(flat)
-    assert datum["extra_env_info"] == {"ground_truth": "42"}
+    assert datum["extra_env_info"]["ground_truth"] == "42"
     assert (datum["loss_multiplier"], datum["idx"], datum["task_name"]) == (1.0, 5, "math")
 
 
@@ -264,7 +264,7 @@ def test_math_processor_raw_problem_no_system(tok):
     datum = math_data_processor({"problem": "7*8=", "expected_answer": 56}, spec, tok, 256, 0)
     assert len(datum["message_log"]) == 1
     assert datum["message_log"][0]["content"] == "<|im_start|>user\n7*8=<|im_end|>\n<|im_start|>assistant\n"
-    assert datum["extra_env_info"] == {"ground_truth": "56"}
+    assert datum["extra_env_info"] == {"problem": "7*8=", "expected_answer": 56, "ground_truth": "56"}
 
 
 def test_math_processor_truncation(tok):
@@ -338,7 +338,7 @@ def test_all_task_dataset_routing(tok):
     assert len(data) == 3
     assert [m["role"] for m in data[0]["message_log"]] == ["user"]
     assert data[1]["task_name"] == "sft" and data[1]["message_log"][-1]["role"] == "assistant"
-    assert data[-1]["idx"] == 2 and data[-1]["extra_env_info"] == {"ground_truth": "6"}
+    assert data[-1]["idx"] == 2 and data[-1]["extra_env_info"]["ground_truth"] == "6"
     with pytest.raises(IndexError, match="index 3 out of range"):
         data[3]
     only_math = AllTaskProcessedDataset(ds, tok, math_spec, {"math": (math_spec, math_data_processor)}, 128)
@@ -363,7 +363,7 @@ def test_rl_collate_fn(tok):
     assert batch["length"].dtype == torch.long and batch["length"].tolist() == [min(full_len, 50), 50]
     assert batch["loss_multiplier"].dtype == torch.float32
     assert batch["loss_multiplier"].tolist() == [1.0 if full_len <= 50 else 0.0, 0.0]
-    assert batch["extra_env_info"] == [{"ground_truth": "2"}, {"ground_truth": "20"}]
+    assert [e["ground_truth"] for e in batch["extra_env_info"]] == ["2", "20"]
     assert batch["idx"] == [0, 1] and batch["task_name"] == ["math", "math"] and batch["stop_strings"] == [None, None]
     with pytest.raises(ValueError, match="empty batch"):
         rl_collate_fn([])
@@ -414,5 +414,5 @@ def test_pipeline_dataset_to_flat_tokens(tok):
         expected = ids_of(tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
         assert flat["token_ids"][i, : lengths[i]].tolist() == expected
         assert (flat["token_ids"][i, lengths[i] :] == tok.pad_token_id).all()
-        assert batch["extra_env_info"][i] == {"ground_truth": ds[i]["expected_answer"]}
+        assert batch["extra_env_info"][i]["ground_truth"] == ds[i]["expected_answer"]
     assert flat["token_loss_mask"].sum() == 0  # prompts carry no loss

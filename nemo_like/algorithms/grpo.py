@@ -69,10 +69,15 @@ class GRPOTrainer:
                 batch, rollout_metrics = self._rollout(batch, greedy=False)
             rewards = batch["total_reward"]
 
-            # 3. Advantages: group-relative, computed on the driver (cheap, [N]).
+            # 3. Advantages: group-relative, computed on the driver (cheap, [N]). A sample no reward
+            # function could score (NaN) gets advantage 0 and stays out of its group's baseline.
             estimator = get_advantage_estimator(cfg.grpo.advantage_estimator)
-            advantages = estimator(rewards, group_ids, leave_one_out=cfg.grpo.use_leave_one_out_baseline,
-                                   std_scale=cfg.grpo.std_scale)
+            scorable = torch.isfinite(rewards)
+            advantages = torch.zeros_like(rewards)
+            if scorable.any():
+                advantages[scorable] = estimator(rewards[scorable], group_ids[scorable],
+                                                 leave_one_out=cfg.grpo.use_leave_one_out_baseline,
+                                                 std_scale=cfg.grpo.std_scale)
 
             # 4. Training data: one flat row per sample; only assistant tokens carry loss.
             train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)
@@ -95,12 +100,14 @@ class GRPOTrainer:
         self.step_count += 1
         batch["advantages"] = advantages
         self.last_batch = batch
-        grouped = rewards.view(-1, G)
+        scored = rewards[scorable]
+        grouped = rewards.nan_to_num(0.0).view(-1, G)
         metrics = {
-            "train/reward_mean": float(rewards.mean()),
-            "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "train/reward_mean": float(scored.mean()) if scored.numel() else 0.0,
+            "train/reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
             # "advantage collapse": groups whose rewards are all equal give no gradient.
             "train/zero_std_group_frac": float((grouped.std(dim=1) == 0).float().mean()),
+            "train/unscorable_frac": float((~scorable).float().mean()),
             "train/advantage_abs_mean": float(advantages.abs().mean()),
             "train/num_samples": float(rewards.numel()),
             "train/epoch": float(self.sampler.epoch),
@@ -138,7 +145,8 @@ class GRPOTrainer:
         batch = rl_collate_fn([self.val_dataset[i] for i in idx])
         batch, m = self._rollout(batch, greedy=True)
         rewards = batch["total_reward"]
-        out = {"val/accuracy": float((rewards >= 1.0).float().mean()), "val/reward_mean": float(rewards.mean()),
+        out = {"val/accuracy": float((rewards >= 1.0).float().mean()),
+               "val/reward_mean": float(rewards.nan_to_num(0.0).mean()),
                "val/response_length_mean": m["response_length_mean"], "val/truncation_rate": m["truncation_rate"],
                "val/turns_per_sample": m["turns_per_sample"],
                "val/num_samples": float(n), "timing/validation": time.perf_counter() - t0}
@@ -177,6 +185,19 @@ class GRPOTrainer:
         np.random.set_state(state["numpy_rng"])
         torch.set_rng_state(state["torch_rng"])
         self.last_val_metrics = state.get("last_val_metrics", {})
+
+    def set_env(self, task: str, actor: Any) -> None:
+        """Grade ``task`` with ``actor`` from the next rollout on; the old actor is killed."""
+        import ray
+
+        old = self.envs.get(task)
+        self.envs[task] = actor
+        self._resources.append(lambda a=actor: ray.kill(a, no_restart=True))
+        if old is not None and old is not actor:
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:  # already dead: nothing to free
+                pass
 
     def close(self) -> None:
         self.logger.close()
@@ -220,7 +241,7 @@ def per_task_metrics(batch: BatchedDataDict, prefix: str) -> dict[str, float]:
     tasks = list(batch["task_name"])
     for task in sorted(set(tasks)):
         idx = torch.tensor([i for i, t in enumerate(tasks) if t == task])
-        r = batch["total_reward"][idx]
+        r = batch["total_reward"][idx].nan_to_num(0.0)
         out |= {f"{prefix}/{task}/reward_mean": float(r.mean()),
                 f"{prefix}/{task}/accuracy": float((r >= 1.0).float().mean()),
                 f"{prefix}/{task}/turns_per_sample": float(batch["num_turns"][idx].float().mean()),
@@ -303,6 +324,23 @@ def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sf
     return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
 
 
+def env_config(cfg: MasterConfig, ds_cfg) -> dict[str, Any]:
+    """``env.<env_name>`` plus the dataset's own reward functions (checked here, before any actor
+    starts, so a typo in an import path is a config error, not a run of zero rewards)."""
+    from nemo_like.config import ConfigError
+    from nemo_like.environments.reward_fn_environment import get_reward_fn
+
+    out = dict(cfg.env.get(ds_cfg.env_name, {}))
+    if ds_cfg.reward_fns:
+        for i, r in enumerate(ds_cfg.reward_fns):
+            try:
+                get_reward_fn(r.fn)
+            except (ImportError, KeyError, TypeError) as e:
+                raise ConfigError(f"data (task {ds_cfg.task_name!r}).reward_fns[{i}].fn: {e}") from e
+        out["reward_fns"] = [r.model_dump() for r in ds_cfg.reward_fns]
+    return out
+
+
 def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     """Start (or join) Ray, build the base model if needed, datasets, environment actors, the policy
     workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir."""
@@ -330,6 +368,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     latest = ckpt.get_latest_checkpoint_path() if (ckpt and resume) else None
     if latest is not None:
         check_resume_compatible(cfg, latest)
+    for ds_cfg in train_cfgs + val_cfgs:  # and so does a reward function that cannot be imported
+        env_config(cfg, ds_cfg)
 
     def free() -> None:
         while resources:
@@ -361,7 +401,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         envs: dict[str, Any] = {}
         for ds_cfg in train_cfgs + val_cfgs:
             if ds_cfg.task_name not in envs:
-                actor = create_env_actor(ds_cfg.env_name, cfg.env.get(ds_cfg.env_name, {}))
+                actor = create_env_actor(ds_cfg.env_name, env_config(cfg, ds_cfg))
                 envs[ds_cfg.task_name] = actor
                 resources.append(lambda a=actor: ray.kill(a, no_restart=True))
 

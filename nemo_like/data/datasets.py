@@ -186,6 +186,16 @@ def _generate(gen: GeneratorConfig) -> datasets.Dataset:
     return ds.add_column("expected_answer", ds["reference_solution"])
 
 
+class RewardFnConfig(BaseModel):
+    """One weighted reward function: a registered name or an import path ``pkg.mod:fn``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fn: str
+    weight: float = 1.0
+    name: str | None = None
+
+
 class DatasetConfig(BaseModel):
     """Where a dataset comes from: a local file or hub dataset (``path``) or the arithmetic ``generator``."""
 
@@ -202,6 +212,8 @@ class DatasetConfig(BaseModel):
     processor: str | None = None  # data processor by name (see data.processors); None: same as env_name
     prompt: str | None = None  # format string with exactly one "{}"
     system_prompt: str | None = None
+    # Plain callables as the grader (TRL style): graded by the "reward_fn" environment.
+    reward_fns: list[RewardFnConfig] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -225,6 +237,15 @@ class DatasetConfig(BaseModel):
             raise ValueError("set exactly one of 'path' and 'generator'")
         if self.path is not None and not self.path.strip():
             raise ValueError("path must not be empty")
+        if self.reward_fns is not None:
+            if not self.reward_fns:
+                raise ValueError("reward_fns must list at least one function (or be left out)")
+            if "env_name" not in self.model_fields_set:
+                self.env_name = "reward_fn"
+            elif self.env_name != "reward_fn":
+                raise ValueError(f"reward_fns are graded by env_name 'reward_fn', but env_name is {self.env_name!r}")
+            if self.processor is None:
+                self.processor = "math"  # prompt-only rows; every column reaches the functions
         return self
 
 

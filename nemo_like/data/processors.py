@@ -100,6 +100,14 @@ def _truncate(message_log: LLMMessageLogType, max_seq_length: int) -> tuple[int,
     return max_seq_length, 0.0
 
 
+def _hidden_columns(datum: Mapping[str, Any], idx: int) -> dict[str, Any]:
+    """What the environment (and reward functions) see of a row: its columns, never shown to the
+    model, with the answer under ``ground_truth``."""
+    extra = {k: v for k, v in datum.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    extra["ground_truth"] = str(_field(datum, "expected_answer", idx))
+    return extra
+
+
 def math_data_processor(
     datum: dict[str, Any],
     task_data_spec: TaskDataSpec,
@@ -119,7 +127,7 @@ def math_data_processor(
     return DatumSpec(
         message_log=message_log,
         length=length,
-        extra_env_info={"ground_truth": str(_field(datum, "expected_answer", idx))},
+        extra_env_info=_hidden_columns(datum, idx),
         loss_multiplier=loss_multiplier,
         idx=idx,
         task_name=task_data_spec.task_name,

@@ -23,6 +23,7 @@ _REGISTRY: dict[str, type | str] = {
     "math": "nemo_like.environments.math_environment.MathEnvironment",
     "code": "nemo_like.environments.code_environment.CodeEnvironment",
     "tool": "nemo_like.environments.tool_environment.ToolEnvironment",
+    "reward_fn": "nemo_like.environments.reward_fn_environment.RewardFnEnvironment",
 }
 _LOCK = threading.Lock()
 

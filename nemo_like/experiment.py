@@ -1,0 +1,286 @@
+"""`GRPOExperiment`: a GRPO run you drive from a notebook (or a script) one step at a time.
+
+    exp = GRPOExperiment.from_config("examples/configs/grpo_math_tiny.yaml", overrides=["grpo.num_prompts_per_step=16"])
+    exp.validate(); exp.train(steps=20); exp.step()
+    exp.metrics; exp.plot(["train/reward_mean", "val/accuracy"]); exp.samples(n=4); exp.generate(["12+34="])
+    exp.add_reward_fn(my_fn, weight=1.0, task="math")
+    exp.save(); exp2 = GRPOExperiment.resume(exp.checkpoint_dir)
+    exp.close()   # or `with GRPOExperiment(...) as exp:`
+
+It wraps the same `GRPOTrainer` the CLI uses (`grpo_train` is the only training loop), keeps Ray,
+the policy workers and the environment actors alive between calls, and frees what it started on
+`close()`. Building a new experiment closes any experiment still open in this process first, so
+re-running a notebook cell neither leaks actors nor waits forever for CPUs the old one holds.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config import ConfigError, MasterConfig, apply_overrides, load_config, validate_config
+
+__all__ = ["GRPOExperiment"]
+
+_OPEN: list[weakref.ref] = []  # experiments not yet closed, oldest first
+
+
+def _to_config(config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None) -> MasterConfig:
+    overrides = list(overrides or [])
+    if isinstance(config, (str, Path)):
+        return load_config(config, overrides)
+    if isinstance(config, MasterConfig):
+        if not overrides:
+            return config.model_copy(deep=True)
+        config = json.loads(config.model_dump_json())
+    if isinstance(config, dict):
+        return validate_config(apply_overrides(dict(config), overrides))
+    raise TypeError(f"config must be a YAML path, a dict or a MasterConfig, got {type(config).__name__}")
+
+
+class GRPOExperiment:
+    """A live GRPO run: Ray, policy workers and environment actors stay up between calls."""
+
+    def __init__(self, config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
+                 resume: bool = True):
+        from nemo_like.algorithms.grpo import setup
+
+        cfg = _to_config(config, overrides)
+        for ref in list(_OPEN):
+            old = ref()
+            if old is not None and not old.closed:
+                print("[nemo_like] closing the previous experiment first (one live experiment per process)")
+                old.close()
+        _OPEN[:] = [r for r in _OPEN if r() is not None and not r().closed]
+        self.closed = False
+        self._fn_tasks: set[str] = set()
+        self.trainer = setup(cfg, resume=resume)
+        _OPEN.append(weakref.ref(self))
+
+    # ---- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, path: str | Path, overrides: Sequence[str] | None = None, **kwargs: Any) -> GRPOExperiment:
+        return cls(path, overrides, **kwargs)
+
+    @classmethod
+    def resume(cls, checkpoint_dir: str | Path, overrides: Sequence[str] | None = None) -> GRPOExperiment:
+        """Continue the run whose checkpoints are in ``checkpoint_dir`` from its latest checkpoint,
+        with the config it was saved with (plus ``overrides``, e.g. a longer ``grpo.max_num_steps``)."""
+        from nemo_like.utils.checkpoint import CheckpointManager
+
+        checkpoint_dir = Path(checkpoint_dir)
+        latest = CheckpointManager({"checkpoint_dir": str(checkpoint_dir)}, cleanup_stale=False).get_latest_checkpoint_path()
+        if latest is None or not (latest / "run_config.json").exists():
+            raise FileNotFoundError(f"{checkpoint_dir} holds no complete checkpoint with a run_config.json to resume")
+        saved = json.loads((latest / "run_config.json").read_text())
+        saved["checkpointing"]["checkpoint_dir"] = str(checkpoint_dir)
+        return cls(saved, overrides, resume=True)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """One GRPO step; its metrics (validation included when the step is on ``val_period``)."""
+        self._check_open()
+        return self.trainer.step()
+
+    def train(self, steps: int | None = None) -> list[dict[str, float]]:
+        """``steps`` more GRPO steps (None: up to ``grpo.max_num_steps``) with a progress bar;
+        validates first when nothing has been trained yet. Returns the metrics of those steps."""
+        from nemo_like.algorithms.grpo import grpo_train
+
+        self._check_open()
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"steps must be a non-negative int or None, got {steps!r}")
+        return grpo_train(self.trainer, max_steps=steps)
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out set now (logged at the current step)."""
+        self._check_open()
+        return self.trainer.validate(log=True)
+
+    # ---- rewards ---------------------------------------------------------------------------------
+    def _task(self, task: str | None) -> str:
+        tasks = sorted({c.task_name for c in self.config.data.train_list + self.config.data.validation_list})
+        if task is None:
+            if len(tasks) != 1:
+                raise ValueError(f"this run has several tasks {tasks}: name one with task=...")
+            return tasks[0]
+        if task not in tasks:
+            raise KeyError(f"no task {task!r} in this run; tasks: {tasks}")
+        return task
+
+    def add_reward_fn(self, fn: Callable | str, weight: float = 1.0, task: str | None = None,
+                      name: str | None = None) -> list[str]:
+        """Grade ``task`` with ``fn(completions, **columns) -> list[float | None]`` (weighted, summed
+        with the other functions added to it). The first function added to a task replaces the
+        task's environment by a reward-function environment (add ``"math_accuracy"`` too to keep
+        rewarding correct answers). Returns the task's function names."""
+        import ray
+
+        from nemo_like.environments.registry import create_env_actor
+        from nemo_like.environments.reward_fn_environment import get_reward_fn
+
+        self._check_open()
+        task = self._task(task)
+        fn = get_reward_fn(fn)  # a clear error here, not inside the actor
+        env = self.trainer.envs[task]
+        if task not in self._reward_fn_tasks():
+            env = create_env_actor("reward_fn", {"timeout_s": self.config.env.get("reward_fn", {}).get("timeout_s", 30.0)})
+            self.trainer.set_env(task, env)
+            self._fn_tasks = self._fn_tasks | {task}
+            print(f"[nemo_like] task {task!r} is now graded by reward functions instead of its environment")
+        return ray.get(env.add_reward_fn.remote(fn, weight, name))
+
+    def _reward_fn_tasks(self) -> set[str]:
+        """Tasks whose actor is a RewardFnEnvironment (from the config, or made so by add_reward_fn)."""
+        from nemo_like.environments.registry import get_env_class
+        from nemo_like.environments.reward_fn_environment import RewardFnEnvironment
+
+        tasks = set(self._fn_tasks)
+        for c in self.config.data.train_list + self.config.data.validation_list:
+            if issubclass(get_env_class(c.env_name), RewardFnEnvironment):
+                tasks.add(c.task_name)
+        return tasks
+
+    def clear_reward_fns(self, task: str | None = None) -> None:
+        """Forget the reward functions of ``task`` (its samples are unscorable until one is added)."""
+        import ray
+
+        self._check_open()
+        task = self._task(task)
+        if task not in self._reward_fn_tasks():
+            raise ValueError(f"task {task!r} is graded by an environment, not reward functions")
+        ray.get(self.trainer.envs[task].clear_reward_fns.remote())
+
+    # ---- looking at the run ----------------------------------------------------------------------
+    @property
+    def config(self) -> MasterConfig:
+        return self.trainer.config
+
+    @property
+    def step_count(self) -> int:
+        return self.trainer.step_count
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.config.checkpointing.checkpoint_dir
+
+    @property
+    def metrics(self):
+        """One row per step (training and validation metrics of a step merged), as in metrics.jsonl."""
+        import pandas as pd
+
+        rows: dict[int, dict[str, Any]] = {}
+        for h in self.trainer.history:
+            rows.setdefault(int(h["step"]), {}).update(h)
+        df = pd.DataFrame([rows[s] for s in sorted(rows)])
+        return df.set_index("step", drop=False) if not df.empty else df
+
+    def plot(self, keys: Sequence[str] | str = ("train/reward_mean", "val/accuracy")):
+        """A matplotlib figure with one panel per metric name."""
+        from nemo_like.utils.plotting import plot_metrics
+
+        return plot_metrics(self.trainer.history, [keys] if isinstance(keys, str) else list(keys))
+
+    def samples(self, n: int | None = 4, *, sort: str | None = None):
+        """The last step's samples: task, problem, completion, reward, advantage, ground truth...
+        ``sort="best"``/``"worst"`` orders them by reward first."""
+        import pandas as pd
+
+        batch = self.trainer.last_batch
+        if batch is None:
+            raise RuntimeError("no step has run yet: call step() or train() first")
+        rows = []
+        for i, log in enumerate(batch["message_log"]):
+            first = next((j for j, m in enumerate(log) if m["role"] == "assistant"), len(log))
+            info = batch["extra_env_info"][i] or {}
+            rows.append({
+                "task": batch["task_name"][i],
+                "problem": info.get("problem"),
+                "prompt": "".join(m["content"] for m in log[:first]),
+                "completion": "\n".join(f"[{m['role']}] {m['content']}" if m["role"] != "assistant" else m["content"]
+                                        for m in log[first:]),
+                "reward": float(batch["total_reward"][i]),
+                "advantage": float(batch["advantages"][i]),
+                "ground_truth": info.get("ground_truth"),
+                "turns": int(batch["num_turns"][i]),
+                "truncated": bool(batch["truncated"][i]),
+            })
+        df = pd.DataFrame(rows)
+        if sort in ("best", "worst"):
+            df = df.sort_values("reward", ascending=sort == "worst", kind="stable")
+        elif sort is not None:
+            raise ValueError(f"sort must be None, 'best' or 'worst', got {sort!r}")
+        return df if n is None else df.head(n)
+
+    def generate(self, prompts: Sequence[str] | str, task: str | None = None, *, greedy: bool = True) -> list[str]:
+        """Completions of the current policy for raw problems, rendered as the task's prompts are."""
+        from nemo_like.data.collate import rl_collate_fn
+        from nemo_like.distributed.batched_data_dict import BatchedDataDict
+        from nemo_like.experience.rollouts import flatten_message_logs
+
+        self._check_open()
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        task = self._task(task)
+        data = [self._datum(p, task, i) for i, p in enumerate(prompts)]
+        flat = flatten_message_logs(rl_collate_fn(data)["message_log"], self.trainer.tokenizer.pad_token_id)
+        gen = self.trainer.policy.generate(BatchedDataDict(input_ids=flat["input_ids"],
+                                                           input_lengths=flat["input_lengths"]), greedy=greedy)
+        out = []
+        for j in range(len(prompts)):
+            start, end = int(flat["input_lengths"][j]), int(gen["unpadded_sequence_lengths"][j])
+            out.append(self.trainer.tokenizer.decode(gen["output_ids"][j, start:end].tolist(), skip_special_tokens=True))
+        return out
+
+    def _datum(self, problem: str, task: str, idx: int):
+        from nemo_like.data.interfaces import TaskDataSpec
+        from nemo_like.data.processors import get_processor, math_data_processor
+
+        ds_cfg = next(c for c in self.config.data.train_list + self.config.data.validation_list if c.task_name == task)
+        spec = TaskDataSpec(task_name=task, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
+        row = {"problem": problem, "expected_answer": ""}
+        try:
+            proc = get_processor(ds_cfg.processor or ds_cfg.env_name)
+            return proc(row, spec, self.trainer.tokenizer, self.config.policy.max_total_sequence_length, idx)
+        except (KeyError, ValueError, TypeError):  # a processor that needs more columns than a problem
+            return math_data_processor(row, spec, self.trainer.tokenizer, self.config.policy.max_total_sequence_length, idx)
+
+    # ---- saving and closing ----------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a checkpoint now (model, optimizer, data order, RNG, step); returns its folder."""
+        self._check_open()
+        path = self.trainer.save_checkpoint(self.trainer.history[-1] if self.trainer.history else None)
+        if path is None:
+            raise ConfigError("checkpointing.enabled is false: nothing to save to")
+        return path
+
+    def save_plot(self, path: str | Path | None = None) -> Path:
+        """The reward/accuracy curves as a PNG (default: ``<logger.log_dir>/curves.png``)."""
+        from nemo_like.utils.plotting import save_training_curves
+
+        return save_training_curves(self.trainer.history, path or Path(self.config.logger.log_dir) / "curves.png")
+
+    def close(self) -> None:
+        """Free the workers and environment actors this experiment created (and Ray, if it started it)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.trainer.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this experiment is closed; build a new one (or GRPOExperiment.resume(...))")
+
+    def __enter__(self) -> GRPOExperiment:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"step {self.step_count}"
+        tasks = sorted({c.task_name for c in self.config.data.train_list})
+        return f"GRPOExperiment({state}, tasks={tasks}, model={self.config.policy.model_name!r})"
