@@ -59,6 +59,8 @@ class ModelBuildConfig(_Strict):
     num_heads: int = 4
     intermediate_size: int | None = None
     max_position_embeddings: int = 256
+    # Strings that become single (non-special) tokens, as Qwen's "<tool_call>" is: shorter tool turns.
+    extra_tokens: list[str] = []
 
 
 class SFTBootstrapConfig(_Strict):

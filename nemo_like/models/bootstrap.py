@@ -21,8 +21,10 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     b = cfg.bootstrap
     assert b is not None
     data_cfgs = [b.data] if b.data else cfg.data.train_list
-    key = json.dumps({"v": _RECIPE_VERSION, "model": b.model.model_dump(), "sft": b.sft.model_dump(),
-                      "seed": b.seed, "data": [d.model_dump() for d in data_cfgs],
+    # extra_tokens joins the key only when used, so existing caches of plain models stay valid.
+    model = b.model.model_dump(exclude=set() if b.model.extra_tokens else {"extra_tokens"})
+    key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(),
+                      "seed": b.seed, "data": [d.model_dump(exclude=set() if d.reward_fns else {"reward_fns"}) for d in data_cfgs],
                       "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
                       "workers": cfg.cluster.num_workers}, sort_keys=True)
     return Path(b.cache_dir).expanduser() / f"tiny-math-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -43,7 +45,7 @@ def ensure_base_model(cfg: MasterConfig, cluster: Any) -> str:
     print(f"[nemo_like] building the tiny base model (once) into {out}")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tok = build_char_tokenizer(tmp)
+    tok = build_char_tokenizer(tmp, extra_tokens=b.model.extra_tokens)
     build_tiny_llama(tok, hidden_size=b.model.hidden_size, num_layers=b.model.num_layers,
                      num_heads=b.model.num_heads, intermediate_size=b.model.intermediate_size,
                      max_position_embeddings=b.model.max_position_embeddings, seed=b.seed, save_dir=tmp)

@@ -11,7 +11,9 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from collections.abc import Sequence
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from nemo_like.data.chat_templates import CHATML_TEMPLATE
@@ -28,13 +30,15 @@ SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN, ENDOFTEXT_TOKEN, IM_START_TOKEN, IM_END_
 CHARACTERS = list(dict.fromkeys(string.printable))
 
 
-def build_char_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(save_dir: str | os.PathLike | None = None,
+                         extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """Build a character-level tokenizer with a ChatML chat template.
 
     Special tokens (each a single id): ``<|pad|>`` (pad), ``<|unk|>`` (unknown characters),
     ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (eos). There is no BOS token, so
     ``tokenizer(text)`` encodes exactly the characters of ``text``. ``decode(encode(s)) == s`` for any
-    string made of printable ASCII characters.
+    string made of printable ASCII characters. ``extra_tokens`` (e.g. ``"<tool_call>"``) become single
+    ordinary tokens: they survive ``decode(..., skip_special_tokens=True)``, as in Qwen's tokenizer.
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
@@ -57,6 +61,8 @@ def build_char_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTraine
         padding_side="right",
         model_max_length=1_000_000,
     )
+    if extra_tokens:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     tokenizer.chat_template = CHATML_TEMPLATE
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
