@@ -69,6 +69,8 @@ class SFTBootstrapConfig(_Strict):
     micro_batch_size: int = Field(64, gt=0)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = 5
+    # Batches of similar length (HF Trainer's group_by_length): mixed tasks then pad far less.
+    group_by_length: bool = False
 
 
 class BootstrapConfig(_Strict):

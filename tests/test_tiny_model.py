@@ -180,3 +180,15 @@ def test_tiny_llama_bad_sizes(tok):
         build_tiny_llama(tok, hidden_size=30, num_heads=4)
     with pytest.raises(ValueError, match="positive"):
         build_tiny_llama(tok, num_layers=0)
+
+
+def test_extra_tokens_are_single_ordinary_tokens():
+    from nemo_like.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer(extra_tokens=["<tool_call>", "</tool_call>"])
+    text = '<tool_call>{"a":1}</tool_call><|im_end|>'
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1 + len('{"a":1}') + 1 + 1
+    # unlike special tokens they survive skip_special_tokens (the tool parser needs them)
+    assert tok.decode(ids, skip_special_tokens=True) == '<tool_call>{"a":1}</tool_call>'
+    assert len(build_char_tokenizer()) + 2 == len(tok)

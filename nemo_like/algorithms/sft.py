@@ -3,6 +3,8 @@ assistant tokens only. Used to bootstrap the tiny default model's answer format.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from tqdm.auto import tqdm
@@ -16,14 +18,18 @@ from nemo_like.experience.rollouts import flatten_message_logs
 
 def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, micro_batch_size: int | None = None,
               pad_id: int, seed: int = 0, log_fn: Callable[[dict, int], None] | None = None,
-              desc: str = "SFT") -> list[dict[str, float]]:
-    """`dataset[i]` is a DatumSpec whose message_log ends with the assistant answer."""
+              desc: str = "SFT", group_by_length: bool = False) -> list[dict[str, float]]:
+    """`dataset[i]` is a DatumSpec whose message_log ends with the assistant answer.
+
+    ``group_by_length``: draw 8 batches at once, sort them by length and serve them in random
+    order, so a batch pads to its own (similar) lengths; costs some randomness of batch make-up."""
     sampler = EpochSampler(len(dataset), seed=seed)
+    batches = _batches(dataset, sampler, batch_size, group_by_length, random.Random(seed))
     loss_fn = NLLLossFn()
     history = []
     for step in tqdm(range(1, num_steps + 1), desc=desc, unit="step", dynamic_ncols=True,
                      mininterval=progress_interval()):
-        datums = [dataset[i] for i in sampler.next_indices(batch_size)]
+        datums = next(batches)
         data = flatten_message_logs([d["message_log"] for d in datums], pad_id)
         data["sample_mask"] = data["input_lengths"].new_tensor([d["loss_multiplier"] for d in datums]).float()
         metrics = policy.train(data, loss_fn, global_batch_size=batch_size, micro_batch_size=micro_batch_size)
@@ -31,3 +37,15 @@ def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, mic
         if log_fn:
             log_fn(metrics, step)
     return history
+
+
+def _batches(dataset: Any, sampler: EpochSampler, batch_size: int, group_by_length: bool,
+             rng: random.Random) -> Iterator[list[Any]]:
+    while True:
+        if not group_by_length:
+            yield [dataset[i] for i in sampler.next_indices(batch_size)]
+            continue
+        pool = sorted((dataset[i] for i in sampler.next_indices(8 * batch_size)), key=lambda d: int(d["length"]))
+        chunks = [pool[k:k + batch_size] for k in range(0, len(pool), batch_size)]
+        rng.shuffle(chunks)
+        yield from chunks

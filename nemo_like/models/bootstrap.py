@@ -23,7 +23,7 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     data_cfgs = [b.data] if b.data else cfg.data.train_list
     # extra_tokens joins the key only when used, so existing caches of plain models stay valid.
     model = b.model.model_dump(exclude=set() if b.model.extra_tokens else {"extra_tokens"})
-    key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(),
+    key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(exclude=set() if b.sft.group_by_length else {"group_by_length"}),
                       "seed": b.seed, "data": [d.model_dump(exclude=set() if d.reward_fns else {"reward_fns"}) for d in data_cfgs],
                       "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
                       "workers": cfg.cluster.num_workers}, sort_keys=True)
@@ -66,7 +66,7 @@ def ensure_base_model(cfg: MasterConfig, cluster: Any) -> str:
     try:
         sft_train(policy, dataset, num_steps=s.num_steps, batch_size=s.batch_size,
                   micro_batch_size=policy_cfg.train_micro_batch_size, pad_id=tok.pad_token_id, seed=b.seed,
-                  desc="bootstrap SFT")
+                  desc="bootstrap SFT", group_by_length=s.group_by_length)
         policy.save_checkpoint(str(tmp))
     finally:
         policy.shutdown()
