@@ -33,7 +33,8 @@ def test_multi_env_config_routes_each_task(config):
         d = ds[i]
         by_task.setdefault(d["task_name"], []).append(d)
     math, code, tool = by_task["math"][0], by_task["code"][0], by_task["tool"][0]
-    assert set(math["extra_env_info"]) == {"ground_truth"} and math["stop_strings"] is None
+    assert math["extra_env_info"]["ground_truth"] == math["extra_env_info"]["expected_answer"]
+    assert math["stop_strings"] is None
     assert all(t.startswith("assert f(") for t in code["extra_env_info"]["tests"])
     assert tool["stop_strings"] == ["</tool_call>"] and "expected_calls" in tool["extra_env_info"]
     # Prompts only: the model sees the problem, never the answer or the tests.
