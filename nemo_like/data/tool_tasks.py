@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import datasets
 
+from nemo_like.data.processors import _truncate
 from nemo_like.environments.tool_environment import TOOL_STOP_STRINGS, format_tool_call, format_tool_response
 from nemo_like.environments.tools import DEFAULT_TOOLS, LOOKUP_TABLE, PRICES, get_tool, tool_schemas
 
@@ -260,18 +261,6 @@ def _env_info(datum: dict[str, Any], idx: int) -> dict[str, Any]:
     return info
 
 
-def _truncate(message_log: list[dict], max_seq_length: int) -> tuple[int, float]:
-    if max_seq_length <= 0:
-        raise ValueError(f"max_seq_length must be positive, got {max_seq_length}")
-    total = sum(int(m["token_ids"].numel()) for m in message_log)
-    if total <= max_seq_length:
-        return total, 1.0
-    budget = max_seq_length
-    for m in message_log:
-        keep = min(budget, int(m["token_ids"].numel()))
-        m["token_ids"] = m["token_ids"][:keep]
-        budget -= keep
-    return max_seq_length, 0.0  # a cut sample carries no loss
 
 
 def _split_rendered(tokenizer: Any, chat: list[dict], tools: list[dict] | None) -> list[tuple[str, str]]:

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxResult
 
 if TYPE_CHECKING:
@@ -268,16 +268,8 @@ class CodeEnvironment(EnvironmentInterface):
         return self._sandbox.mode
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
-        try:
-            batch = list(message_log_batch)
-        except Exception:
-            batch = []
-        try:
-            meta = list(metadata) if metadata is not None else []
-        except Exception:
-            meta = []
+        batch, meta = normalize_step_inputs(message_log_batch, metadata)
         n = len(batch)
-        meta = (meta + [None] * n)[:n]
         rewards = [0.0] * n
         fractions = [0.0] * n
         results: list[SandboxResult | None] = [None] * n

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only; see the module docstring for why torch is
 
     from nemo_like.data.interfaces import LLMMessageLogType
 
-__all__ = ["EnvironmentReturn", "EnvironmentInterface"]
+__all__ = ["EnvironmentReturn", "EnvironmentInterface", "normalize_step_inputs"]
 
 
 class EnvironmentReturn(NamedTuple):
@@ -31,6 +31,21 @@ class EnvironmentReturn(NamedTuple):
     # e.g. {"num_failures": 2.0, "num_timeouts": 1.0}. The default dict is shared between
     # instances (NamedTuple defaults are evaluated once), so never mutate it in place.
     metrics: dict[str, float] = {}
+
+
+def normalize_step_inputs(message_log_batch: Any, metadata: Any) -> tuple[list, list]:
+    """The batch as a list and metadata as a list of the same length (missing entries None), from
+    whatever a caller passed: an environment must grade garbage as 0, not raise on it."""
+    try:
+        batch = list(message_log_batch)
+    except Exception:
+        batch = []
+    try:
+        meta = list(metadata) if metadata is not None else []
+    except Exception:
+        meta = []
+    n = len(batch)
+    return batch, (meta + [None] * n)[:n]
 
 
 class EnvironmentInterface(abc.ABC):

@@ -17,7 +17,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from nemo_like.environments.grader_pool import GraderPool, resolve_callable
-from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 from nemo_like.environments.math_parser import AnswerRejected, parse_answer, rational_value, symbolically_equal
 
 if TYPE_CHECKING:
@@ -228,16 +228,8 @@ class MathEnvironment(EnvironmentInterface):
         )
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
-        try:
-            batch = list(message_log_batch)
-        except Exception:
-            batch = []
-        try:
-            meta = list(metadata) if metadata is not None else []
-        except Exception:
-            meta = []
+        batch, meta = normalize_step_inputs(message_log_batch, metadata)
         n = len(batch)
-        meta = (meta + [None] * n)[:n]
         rewards = [0.0] * n
         failures = timeouts = 0
         try:

@@ -17,7 +17,6 @@ cell travels to the actor by cloudpickle (Ray's serializer).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import threading
@@ -25,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from nemo_like.environments.grader_pool import resolve_callable
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 
 __all__ = ["RewardFnEnvironment", "register_reward_fn", "get_reward_fn", "registered_reward_fns",
@@ -59,17 +59,10 @@ def get_reward_fn(ref: str | Callable) -> Callable:
         raise TypeError(f"a reward function is a callable, a registered name or an import path, got {ref!r}")
     if ref in _REWARD_FNS:
         return _REWARD_FNS[ref]
-    module, sep, attr = ref.replace(":", ".").rpartition(".")
-    if not sep:
+    if "." not in ref.replace(":", "."):
         raise KeyError(f"unknown reward function {ref!r}; registered: {registered_reward_fns()}, "
                        "or give an import path like 'my_pkg.rewards:my_reward'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ImportError(f"reward function {ref!r}: {type(e).__name__}: {e}") from e
-    if not callable(fn):
-        raise TypeError(f"reward function {ref!r} is a {type(fn).__name__}, not callable")
-    return fn
+    return resolve_callable(ref)
 
 
 @register_reward_fn("math_accuracy")

@@ -29,7 +29,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 from nemo_like.environments.tools import DEFAULT_TOOLS, Tool, resolve_tool, validate_arguments
 
 if TYPE_CHECKING:
@@ -451,16 +451,8 @@ class ToolEnvironment(EnvironmentInterface):
 
     # --------------------------------------------------------------------------------- step
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
-        try:
-            batch = list(message_log_batch)
-        except Exception:
-            batch = []
-        try:
-            meta_in = list(metadata) if metadata is not None else []
-        except Exception:
-            meta_in = []
+        batch, meta_in = normalize_step_inputs(message_log_batch, metadata)
         n = len(batch)
-        meta_in = (meta_in + [None] * n)[:n]
         out_meta: list[dict | None] = list(meta_in)
         rewards = [0.0] * n
         terminated = [True] * n
