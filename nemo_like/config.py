@@ -41,6 +41,9 @@ class GRPOConfig(_Strict):
     val_at_start: bool = True
     val_at_end: bool = True
     max_val_samples: int = Field(256, gt=0)
+    # Truncated samples (cut off by a length limit) stay in their group's baseline but carry no loss:
+    # rewarding a right answer followed by a runaway tail teaches the model never to stop (DAPO).
+    overlong_filtering: bool = False
     seed: int = 42
 
 
@@ -84,6 +87,9 @@ class BootstrapConfig(_Strict):
     model: ModelBuildConfig = ModelBuildConfig()
     sft: SFTBootstrapConfig = SFTBootstrapConfig()
     data: DatasetConfig | None = None
+    # Training workers of the bootstrap SFT (None: cluster.num_workers); the cluster's CPUs are split
+    # among them. One worker with every thread beats two FSDP ranks on a ~1M-parameter model.
+    num_workers: int | None = Field(None, gt=0)
 
 
 class DataConfig(_Strict):

@@ -27,6 +27,7 @@ def _overrides(tmp, *extra):
         "data.train.generator.num_samples=200", "data.validation.generator.num_samples=8",
         "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
         "bootstrap.sft.num_steps=5", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
+        "bootstrap.num_workers=1",  # one SFT worker on both CPUs (test_grpo_functional covers two)
         f"bootstrap.cache_dir={CACHE['dir'] or tmp / 'cache'}",
         f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=1000",
@@ -70,6 +71,7 @@ def test_validate_step_train_metrics_plot_samples_generate(exp):
     assert set(val) >= {"val/accuracy", "val/reward_mean"} and 0.0 <= val["val/accuracy"] <= 1.0
     m = exp.step()
     assert exp.step_count == 1 and m["train/num_samples"] == 16.0
+    assert m["train/loss_masked_frac"] == 0.0  # overlong_filtering is off: truncated samples train too
     out = exp.train(steps=2)
     assert len(out) == 2 and exp.step_count == 3
     df = exp.metrics
@@ -125,6 +127,17 @@ def test_reward_fns_written_in_a_cell_replace_and_combine(exp):
         exp.add_reward_fn(length_reward, task="nope")
     with pytest.raises(TypeError):
         exp.add_reward_fn(42)
+
+
+def test_overlong_filtering_takes_truncated_samples_out_of_the_loss(ray_session, tmp_path):
+    # One new token cannot finish "\\boxed{N}<eos>": every sample is cut off by the length cap.
+    with GRPOExperiment.from_config(CONFIG, _overrides(tmp_path, "policy.generation.max_new_tokens=1",
+                                                       "grpo.overlong_filtering=true")) as e:
+        m = e.step()
+    # (A sample whose single token is the end of turn is not truncated, and keeps its loss.)
+    assert m["train/loss_masked_frac"] == m["train/truncation_rate"] >= 0.75
+    if m["train/truncation_rate"] == 1.0:
+        assert m["train/loss"] == 0.0
 
 
 def test_save_and_resume_continue_the_same_run(ray_session, tmp_path):

@@ -197,3 +197,25 @@ def test_killed_environment_actor_is_restarted_and_the_step_retried(setup_env, t
     assert (tmp_path / "died").exists()  # the first call really killed the actor
     assert out["total_reward"].tolist() == [1.0, 0.0, 1.0]  # retried on the restarted actor
     assert m["env/always/step_errors"] == 1.0 and "env/once/step_errors" not in m
+
+
+def test_each_sample_generates_within_its_own_budget(setup_env):
+    # In a multi-turn batch one sample's context can be far longer than the others' (a long tool
+    # response): only that sample may be cut short, not every sample of the batch.
+    _, tok, model = setup_env
+    short = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    long = tok("<|im_start|>user\n" + "x" * 60, add_special_tokens=False)["input_ids"]
+    rows = [short, long, short]
+    width = max(map(len, rows))
+    data = BatchedDataDict(input_ids=torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows]),
+                           input_lengths=torch.tensor([len(r) for r in rows]))
+    max_total = len(long) + 2
+    out = hf_generate(model, tok, data, GenerationConfig(max_new_tokens=8, temperature=1.0), greedy=True,
+                      max_total_length=max_total, micro_batch_size=64, synced=False, device=torch.device("cpu"))
+    gen = out["generation_lengths"].tolist()
+    assert gen[1] <= 2 and (gen[1] < 2 or bool(out["truncated"][1]) or int(out["output_ids"][1, len(long) + 1]) == tok.eos_token_id)
+    assert gen[0] == gen[2] > 2  # same prompt, greedy: same answer, not cut to the long row's budget
+    assert int(out["unpadded_sequence_lengths"].max()) <= max_total
+    for i, r in enumerate(rows):  # rows are prompt + their own generated tokens, nothing else
+        assert out["output_ids"][i, :len(r)].tolist() == r
+        assert (out["output_ids"][i, len(r) + gen[i]:] == tok.pad_token_id).all()

@@ -26,3 +26,20 @@ def test_group_by_length_serves_each_sample_once_in_similar_length_batches():
     # batches are served in shuffled order, not shortest first
     maxima = [max(d["length"] for d in b) for b in grouped_batches]
     assert maxima != sorted(maxima)
+
+
+def test_bootstrap_cache_key_names_the_recipe_not_its_spelling():
+    import os
+
+    from nemo_like.config import load_config
+    from nemo_like.models.bootstrap import bootstrap_cache_path
+
+    cfg_path = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "grpo_math_tiny.yaml")
+
+    def key(*overrides):
+        return bootstrap_cache_path(load_config(cfg_path, list(overrides))).name
+
+    # The default trains on cluster.num_workers (2) workers: saying so explicitly is the same model.
+    assert key() == key("bootstrap.num_workers=2")
+    assert key("bootstrap.num_workers=1") != key()
+    assert key("bootstrap.sft.num_steps=651") != key()

@@ -586,6 +586,27 @@ def test_task_generator_deterministic_and_disjoint(task_splits) -> None:
     assert all("+" in p for p in small["problem"])
 
 
+def test_lookup_keys_are_many_and_generator_weights_reach_the_config() -> None:
+    from nemo_like.data.datasets import DataError, DatasetConfig, load_dataset_from_config
+    from nemo_like.data.tool_tasks import tool_task_split_of
+
+    table = tools_mod.LOOKUP_TABLE
+    assert len(table) == len(tools_mod.PRICES) + len(tools_mod.POPULATIONS) == 632  # no key in both
+    assert all(k.isalpha() and k.islower() for k in table)
+    assert all(1 <= tools_mod.PRICES[k] <= 99 for k in tools_mod.PRICES)
+    # Enough held-out keys that validation measures copying an unseen key, not recall.
+    held_out = [k for k in table if tool_task_split_of(f"price of {k}?") == "validation"]
+    assert 100 < len(held_out) < 250
+    cfg = DatasetConfig(task_name="tool", env_name="tool",
+                        generator={"kind": "tool", "split": "train", "num_samples": 300, "seed": 0, "weights": [0, 1, 3]})
+    kinds = load_dataset_from_config(cfg)["kind"]
+    assert "add" not in kinds and 0.6 < kinds.count("lookup") / len(kinds) < 0.9
+    bad = DatasetConfig(task_name="tool", env_name="tool",
+                        generator={"kind": "tool", "split": "train", "num_samples": 3, "seed": 0, "weights": [1, 1]})
+    with pytest.raises(DataError, match="weights must be 3"):
+        load_dataset_from_config(bad)
+
+
 def test_reference_conversations_replay_to_reward_one(task_splits) -> None:
     env = ToolEnvironment({"require_tool_calls": True})
     rows = list(task_splits[0].select(range(60))) + list(task_splits[1].select(range(30)))

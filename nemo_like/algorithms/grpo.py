@@ -83,6 +83,8 @@ class GRPOTrainer:
             train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)
             train_data["advantages"] = advantages.float()
             train_data["sample_mask"] = batch["loss_multiplier"].float()
+            if cfg.grpo.overlong_filtering:
+                train_data["sample_mask"] *= (~batch["truncated"]).float()
             with timer.time("logprobs"):
                 train_data["prev_logprobs"] = self.policy.get_logprobs(train_data)["logprobs"]
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
@@ -109,6 +111,7 @@ class GRPOTrainer:
             "train/zero_std_group_frac": float((grouped.std(dim=1) == 0).float().mean()),
             "train/unscorable_frac": float((~scorable).float().mean()),
             "train/advantage_abs_mean": float(advantages.abs().mean()),
+            "train/loss_masked_frac": float((train_data["sample_mask"] == 0).float().mean()),
             "train/num_samples": float(rewards.numel()),
             "train/epoch": float(self.sampler.epoch),
         }
@@ -381,14 +384,14 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
-        cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
-                                    gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
-        resources.append(cluster.shutdown)
         if cfg.bootstrap is not None and cfg.bootstrap.enabled:
             from nemo_like.models.bootstrap import ensure_base_model
 
-            path = ensure_base_model(cfg, cluster)
+            path = ensure_base_model(cfg)
             cfg.policy.model_name, cfg.policy.tokenizer_name = path, path
+        cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
+                                    gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
+        resources.append(cluster.shutdown)
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.tokenizer_name or cfg.policy.model_name,
                                                   trust_remote_code=cfg.policy.trust_remote_code)

@@ -149,6 +149,7 @@ class ToolTasksGeneratorConfig(BaseModel):
     num_samples: int = Field(gt=0)
     seed: int
     kinds: list[str] | None = None  # None: every kind
+    weights: list[float] | None = None  # relative share of each of `kinds` (None: equal)
     max_value: int = Field(default=99, ge=1)
 
 
@@ -173,7 +174,9 @@ def _generate(gen: GeneratorConfig) -> datasets.Dataset:
     if isinstance(gen, ToolTasksGeneratorConfig):
         from nemo_like.data.tool_tasks import generate_tool_dataset
 
-        extra = {"kinds": gen.kinds} if gen.kinds else {}
+        extra: dict = {"kinds": gen.kinds} if gen.kinds else {}
+        if gen.weights is not None:
+            extra["weights"] = gen.weights
         try:
             return generate_tool_dataset(gen.split, gen.num_samples, gen.seed, max_value=gen.max_value, **extra)
         except ValueError as e:

@@ -468,8 +468,10 @@ def validate_arguments(arguments: Any, parameters: dict[str, Any]) -> str | None
 
 
 # ------------------------------------------------------------------------------ built-in tools
-# A fixed, fictional table (prices of items, populations of made-up cities) so that answers can only
-# come from calling the tool. Keys are short lowercase words: the tiny char-level model copies them.
+# A fictional table (prices of items, populations of made-up towns) so that answers can only come
+# from calling the tool. A few hand-written entries, then a few hundred generated pseudo-words: with
+# only a handful of keys a small model memorises question -> key instead of learning to copy the key,
+# and a held-out key is then never called right.
 PRICES: dict[str, int] = {
     "apple": 3, "pear": 5, "plum": 2, "fig": 7, "kiwi": 4, "lime": 6, "melon": 9, "grape": 8,
     "bread": 12, "milk": 11, "egg": 1, "tea": 14, "rice": 13, "salt": 10, "jam": 15, "corn": 16,
@@ -479,6 +481,24 @@ POPULATIONS: dict[str, int] = {
     "brell": 5012, "yarn": 8264, "pox": 319, "glim": 6048, "huxa": 2777, "wend": 1096, "krat": 9433,
     "lumo": 505, "fenn": 7120,
 }
+NUM_GENERATED_KEYS = 300  # per table
+
+
+def _generate_entries(taken: set[str], n: int, low: int, high: int, salt: str) -> dict[str, int]:
+    """``n`` new pseudo-words (two or three consonant-vowel syllables, fixed by ``salt``) -> values."""
+    import random
+
+    rng = random.Random(f"nemo_like-lookup-{salt}")
+    out: dict[str, int] = {}
+    while len(out) < n:
+        word = "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice((2, 3))))
+        if word not in taken and word not in out:
+            out[word] = rng.randint(low, high)
+    return out
+
+
+PRICES.update(_generate_entries(set(PRICES) | set(POPULATIONS), NUM_GENERATED_KEYS, 1, 99, "prices"))
+POPULATIONS.update(_generate_entries(set(PRICES) | set(POPULATIONS), NUM_GENERATED_KEYS, 100, 9999, "towns"))
 LOOKUP_TABLE: dict[str, int] = {**PRICES, **POPULATIONS}
 
 

@@ -26,15 +26,32 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(exclude=set() if b.sft.group_by_length else {"group_by_length"}),
                       "seed": b.seed, "data": [d.model_dump(exclude=set() if d.reward_fns else {"reward_fns"}) for d in data_cfgs],
                       "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
-                      "workers": cfg.cluster.num_workers}, sort_keys=True)
+                      "workers": b.num_workers or cfg.cluster.num_workers}, sort_keys=True)
     return Path(b.cache_dir).expanduser() / f"tiny-math-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def ensure_base_model(cfg: MasterConfig, cluster: Any) -> str:
-    """Return the folder of the bootstrapped base model, building it on `cluster` if not cached."""
+def ensure_base_model(cfg: MasterConfig) -> str:
+    """Return the folder of the bootstrapped base model, building it if it is not cached.
+
+    Building takes a placement group of its own (``bootstrap.num_workers`` workers sharing the
+    cluster's CPUs) and gives it back, so call this before the policy's cluster is reserved."""
     out = bootstrap_cache_path(cfg)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return str(out)
+    from nemo_like.distributed.ray_cluster import RayVirtualCluster
+
+    b = cfg.bootstrap
+    assert b is not None
+    workers = b.num_workers or cfg.cluster.num_workers
+    cluster = RayVirtualCluster(workers, cpus_per_worker=cfg.cluster.num_workers * cfg.cluster.cpus_per_worker / workers,
+                                gpus_per_worker=cfg.cluster.gpus_per_worker, name="bootstrap")
+    try:
+        return _build_base_model(cfg, cluster, out)
+    finally:
+        cluster.shutdown()
+
+
+def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
     from nemo_like.algorithms.sft import sft_train
     from nemo_like.data.datasets import load_dataset_from_config
     from nemo_like.models.policy.lm_policy import Policy

@@ -37,12 +37,19 @@ def hf_generate(
     input_ids, lengths = data["input_ids"], data["input_lengths"]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
-    max_new = min(cfg.max_new_tokens, max_total_length - int(lengths.max()))
-    if max_new <= 0:
+    # Each sample gets its own budget: a batch's longest prompt (in multi-turn rollouts, often one
+    # sample's long tool response) must not cut every other sample's answer short.
+    budgets = (max_total_length - lengths).clamp(max=cfg.max_new_tokens)
+    if lengths.numel() and int(budgets.min()) <= 0:
         raise ValueError(
             f"prompt of {int(lengths.max())} tokens leaves no room to generate within "
             f"policy.max_total_sequence_length={max_total_length}"
         )
+    # Positions past the model's table would crash models with learned absolute positions; rotary
+    # ones compute positions on the fly (tokens past a sample's budget are dropped anyway).
+    cfg_m = getattr(model, "config", None)
+    rotary = cfg_m is None or hasattr(cfg_m, "rope_parameters") or hasattr(cfg_m, "rope_theta")
+    pos_limit = None if rotary else getattr(cfg_m, "max_position_embeddings", None)
     stop_strings = cfg.stop_strings
     if "stop_strings" in data and any(s for s in data["stop_strings"]):
         # HF applies one stop-string list to the whole batch; take the union of the samples' lists.
@@ -54,6 +61,10 @@ def hf_generate(
     for start in range(0, max(B, 1), micro_batch_size):
         ids = input_ids[start : start + micro_batch_size]
         lens = lengths[start : start + micro_batch_size]
+        budget = budgets[start : start + micro_batch_size]
+        max_new = int(budget.max()) if len(budget) else 1
+        if pos_limit is not None and len(lens):
+            max_new = max(1, min(max_new, pos_limit - int(lens.max())))
         left, attn = right_to_left_padded(ids, lens, pad_id)
         kwargs = dict(
             input_ids=left.to(device),
@@ -79,22 +90,25 @@ def hf_generate(
         if not greedy:
             logits = logits / cfg.temperature
         lp = torch.gather(logits.log_softmax(-1), 2, gen.unsqueeze(-1)).squeeze(-1)
-        results.append(_to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings))
+        results.append(_to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings, budget))
     return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": pad_id})
 
 
-def _to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings):
+def _to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings, budgets=None):
+    """Generated rows cut at their end (EOS, stop string) or at their own token budget."""
     B, G = gen.shape
-    gen_lens = torch.full((B,), G, dtype=torch.long)
+    budgets = torch.full((B,), G, dtype=torch.long) if budgets is None else budgets.clamp(max=G)
+    gen_lens = budgets.clone()
     truncated = torch.ones(B, dtype=torch.bool)
     for i in range(B):
-        hits = (gen[i] == eos_id).nonzero()
+        row = gen[i, : int(budgets[i])]
+        hits = (row == eos_id).nonzero()
         if len(hits):
             gen_lens[i] = int(hits[0]) + 1
             truncated[i] = False
         elif stop_strings:
             # HF stops at a stop string and pads the rest; the sample ended on purpose.
-            text_end = _stop_string_end(gen[i], pad_id, tokenizer, stop_strings)
+            text_end = _stop_string_end(row, pad_id, tokenizer, stop_strings)
             if text_end is not None:
                 gen_lens[i] = text_end
                 truncated[i] = False
