@@ -43,3 +43,19 @@ def test_bootstrap_cache_key_names_the_recipe_not_its_spelling():
     assert key() == key("bootstrap.num_workers=2")
     assert key("bootstrap.num_workers=1") != key()
     assert key("bootstrap.sft.num_steps=651") != key()
+
+
+def test_bootstrap_cache_key_follows_the_tool_table_only_for_tool_data(monkeypatch):
+    import os
+
+    from nemo_like.config import load_config
+    from nemo_like.environments import tools
+    from nemo_like.models.bootstrap import bootstrap_cache_path
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "examples", "configs")
+    multi = load_config(os.path.join(configs, "grpo_multi_env_tiny.yaml"))
+    math = load_config(os.path.join(configs, "grpo_math_tiny.yaml"))
+    before = bootstrap_cache_path(multi), bootstrap_cache_path(math)
+    monkeypatch.setitem(tools.LOOKUP_TABLE, "zzzz", 1)  # the table changed: tool rows would too
+    assert bootstrap_cache_path(multi) != before[0]
+    assert bootstrap_cache_path(math) == before[1]

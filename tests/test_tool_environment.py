@@ -488,6 +488,26 @@ def test_require_tool_calls_gate() -> None:
     assert env.step([log], ret.metadata).rewards.tolist() == [1.0]
 
 
+def test_call_match_reward_is_partial_credit_that_never_makes_a_wrong_answer_accurate() -> None:
+    env = ToolEnvironment({"call_match_reward": 0.25})
+    expected = json.dumps([{"name": "mul", "arguments": {"a": 37, "b": 4}}])
+    ok = {"name": "mul", "arguments": {"a": 37, "b": 4}, "ok": True}
+
+    def final(answer: str, made: list[dict]):
+        return env.step([[user("37*4=?"), assistant(answer)]],
+                        [{"ground_truth": "148", "expected_calls": expected, "tool_calls": made}])
+
+    rets = [final("\\boxed{148}", [ok]), final("\\boxed{149}", [ok]), final("\\boxed{148}", []),
+            final("\\boxed{149}", [{**ok, "arguments": {"a": 37, "b": 5}}])]
+    assert [r.rewards.item() for r in rets] == [1.25, 0.25, 1.0, 0.0]
+    assert [r.metrics["num_correct"] for r in rets] == [1.0, 0.0, 1.0, 0.0]  # answers, not reward sums
+    assert [r.observations[0]["content"] for r in rets[:2]] == ["Environment: correct", "Environment: incorrect"]
+    gated = ToolEnvironment({"call_match_reward": 0.25, "require_tool_calls": True})
+    ret = gated.step([[user("37*4=?"), assistant("\\boxed{148}")]],
+                     [{"ground_truth": "148", "expected_calls": expected, "tool_calls": []}])
+    assert ret.rewards.tolist() == [0.0] and ret.metrics["accuracy"] == 0.0
+
+
 @pytest.mark.parametrize(
     "log, meta",
     [
@@ -533,6 +553,8 @@ def test_metadata_shorter_than_batch(env: ToolEnvironment) -> None:
         ({"timeout_s": 0}, "timeout_s"),
         ({"timeout_s": True}, "timeout_s"),
         ({"require_tool_calls": "yes"}, "require_tool_calls"),
+        ({"call_match_reward": 1.0}, "call_match_reward must be a number in \\[0, 1\\)"),
+        ({"call_match_reward": "0.5"}, "call_match_reward"),
         ({"max_calls_per_turn": -1}, "max_calls_per_turn"),
         ({"tool": ["add"]}, "unknown config keys \\['tool'\\]"),
     ],
@@ -591,12 +613,12 @@ def test_lookup_keys_are_many_and_generator_weights_reach_the_config() -> None:
     from nemo_like.data.tool_tasks import tool_task_split_of
 
     table = tools_mod.LOOKUP_TABLE
-    assert len(table) == len(tools_mod.PRICES) + len(tools_mod.POPULATIONS) == 632  # no key in both
+    assert len(table) == len(tools_mod.PRICES) + len(tools_mod.POPULATIONS) == 3032  # no key in both
     assert all(k.isalpha() and k.islower() for k in table)
     assert all(1 <= tools_mod.PRICES[k] <= 99 for k in tools_mod.PRICES)
     # Enough held-out keys that validation measures copying an unseen key, not recall.
     held_out = [k for k in table if tool_task_split_of(f"price of {k}?") == "validation"]
-    assert 100 < len(held_out) < 250
+    assert 600 < len(held_out) < 900
     cfg = DatasetConfig(task_name="tool", env_name="tool",
                         generator={"kind": "tool", "split": "train", "num_samples": 300, "seed": 0, "weights": [0, 1, 3]})
     kinds = load_dataset_from_config(cfg)["kind"]

@@ -263,6 +263,7 @@ _CONFIG_DEFAULTS: dict[str, Any] = {
     "max_turns": 4,  # assistant turns per episode, the final answer included
     "timeout_s": 2.0,  # wall-clock limit of one tool call
     "require_tool_calls": False,  # reward only if metadata["expected_calls"] were all made
+    "call_match_reward": 0.0,  # in [0, 1): added when metadata["expected_calls"] were all made
     "max_calls_per_turn": 4,  # more calls in one message: malformed
     "max_response_chars": 1000,  # a longer JSON result is an error observation
     "max_stuck_calls": 4,  # a tool with this many calls still running past the limit is disabled
@@ -344,8 +345,8 @@ class ToolEnvironment(EnvironmentInterface):
 
     Config keys (see ``_CONFIG_DEFAULTS``): ``tools`` (None: add, mul, lookup; names from
     :mod:`nemo_like.environments.tools`, or import paths ``"pkg.mod.fn"``), ``max_turns`` (4),
-    ``timeout_s`` (2.0), ``require_tool_calls`` (False), ``max_calls_per_turn`` (4),
-    ``max_response_chars`` (1000), ``max_stuck_calls`` (4).
+    ``timeout_s`` (2.0), ``require_tool_calls`` (False), ``call_match_reward`` (0.0),
+    ``max_calls_per_turn`` (4), ``max_response_chars`` (1000), ``max_stuck_calls`` (4).
 
     Per sample, from the last assistant message:
 
@@ -360,7 +361,9 @@ class ToolEnvironment(EnvironmentInterface):
       stripped text) is compared with ``metadata["ground_truth"]`` (:func:`answers_match`): reward
       1.0 or 0.0, terminated. With ``require_tool_calls`` the reward is multiplied by 1 if every call
       in ``metadata["expected_calls"]`` (a list or its JSON text) was made and succeeded (exact
-      name and arguments, JSON types included; extra calls allowed), else by 0.
+      name and arguments, JSON types included; extra calls allowed), else by 0. ``call_match_reward``
+      (partial credit, below 1 so that accuracy, reward >= 1, still means a right answer) is added
+      when those calls were made, right answer or not.
 
     Tools of one step run concurrently on threads (they must be thread-safe). A thread cannot be
     killed, so a call past the limit is abandoned; a tool with ``max_stuck_calls`` calls still
@@ -371,7 +374,7 @@ class ToolEnvironment(EnvironmentInterface):
     no ground truth when one is needed) scores 0, terminates and counts in ``num_failures``.
     Metrics: ``num_tool_calls``, ``num_tool_errors`` (time-outs included), ``num_malformed_calls``
     (malformed messages), ``num_timeouts``, ``num_turn_limit``, ``num_terminated``, ``num_correct``
-    (sum of the terminated samples' rewards), ``accuracy`` (their mean; absent when no sample
+    (terminated samples with reward >= 1), ``accuracy`` (their share; absent when no sample
     terminated in this step), ``num_failures``.
     """
 
@@ -392,6 +395,9 @@ class ToolEnvironment(EnvironmentInterface):
             raise ValueError(f"ToolEnvironment: timeout_s must be a positive number, got {timeout!r}")
         if not isinstance(cfg["require_tool_calls"], bool):
             raise ValueError(f"ToolEnvironment: require_tool_calls must be true or false, got {cfg['require_tool_calls']!r}")
+        bonus = cfg["call_match_reward"]
+        if isinstance(bonus, bool) or not isinstance(bonus, (int, float)) or not 0.0 <= bonus < 1.0:
+            raise ValueError(f"ToolEnvironment: call_match_reward must be a number in [0, 1), got {bonus!r}")
         names = cfg["tools"]
         if names is None:
             names = list(DEFAULT_TOOLS)
@@ -458,7 +464,7 @@ class ToolEnvironment(EnvironmentInterface):
         terminated = [True] * n
         observations: list[dict[str, str]] = [{"role": "environment", "content": "Environment: invalid sample"}] * n
         m = Counter({k: 0 for k in ("num_tool_calls", "num_tool_errors", "num_malformed_calls", "num_timeouts",
-                                    "num_turn_limit", "num_failures")})
+                                    "num_turn_limit", "num_failures", "num_answers_right")})
         try:
             jobs: list[tuple[Tool, dict]] = []
             job_slots: list[tuple[int, int]] = []  # (sample, index of the call in the sample)
@@ -473,11 +479,16 @@ class ToolEnvironment(EnvironmentInterface):
                     calls, error = parse_tool_calls(content, max_calls=self.config["max_calls_per_turn"])
                     if not calls and error is None:  # the final answer
                         reward = float(answers_match(extract_tool_answer(content), _ground_truth(meta)))
-                        if self.config["require_tool_calls"]:  # a multiplicative gate
-                            reward *= float(self._made_expected_calls(meta))
+                        bonus = self.config["call_match_reward"]
+                        if self.config["require_tool_calls"] or bonus:
+                            made = self._made_expected_calls(meta)
+                            if self.config["require_tool_calls"]:  # a multiplicative gate
+                                reward *= float(made)
+                            reward += bonus * made
                         rewards[i] = reward
+                        m["num_answers_right"] += reward >= 1.0
                         observations[i] = {"role": "environment",
-                                           "content": "Environment: correct" if reward == 1.0 else "Environment: incorrect"}
+                                           "content": "Environment: correct" if reward >= 1.0 else "Environment: incorrect"}
                         continue
                     if self.config["require_tool_calls"]:
                         _expected_calls(meta)  # malformed expectations fail now, not at the last turn
@@ -538,14 +549,14 @@ class ToolEnvironment(EnvironmentInterface):
             rewards, terminated = [0.0] * n, [True] * n
             observations = [{"role": "environment", "content": "Environment: internal error"}] * n
             out_meta = list(meta_in)
-            m["num_failures"] = n
+            m["num_failures"], m["num_answers_right"] = n, 0
 
         import torch  # lazily: keeps this module import-light
 
         done = [i for i in range(n) if terminated[i]]
         metrics = {k: float(v) for k, v in m.items()}
         metrics["num_terminated"] = float(len(done))
-        metrics["num_correct"] = float(sum(rewards[i] for i in done))
+        metrics["num_correct"] = metrics.pop("num_answers_right")
         if done:  # undefined when no episode ended (a rollout averaging it over turns must not see a 0)
             metrics["accuracy"] = metrics["num_correct"] / len(done)
         return EnvironmentReturn(

@@ -26,8 +26,20 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(exclude=set() if b.sft.group_by_length else {"group_by_length"}),
                       "seed": b.seed, "data": [d.model_dump(exclude=set() if d.reward_fns else {"reward_fns"}) for d in data_cfgs],
                       "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
-                      "workers": b.num_workers or cfg.cluster.num_workers}, sort_keys=True)
+                      "workers": b.num_workers or cfg.cluster.num_workers, **_generated_data_version(data_cfgs)},
+                     sort_keys=True)
     return Path(b.cache_dir).expanduser() / f"tiny-math-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _generated_data_version(data_cfgs: list) -> dict[str, str]:
+    """Generated tool tasks also depend on the tool table, which lives in code: it joins the key
+    (only for configs that use it, so other caches stay valid)."""
+    if not any(getattr(d.generator, "kind", None) == "tool" for d in data_cfgs):
+        return {}
+    from nemo_like.environments.tools import LOOKUP_TABLE
+
+    table = json.dumps(sorted(LOOKUP_TABLE.items()))
+    return {"tool_table": hashlib.sha256(table.encode()).hexdigest()[:12]}
 
 
 def ensure_base_model(cfg: MasterConfig) -> str:
