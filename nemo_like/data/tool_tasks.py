@@ -8,7 +8,7 @@ Three kinds of question, each answered with exactly one tool call then a boxed a
     assistant  \\boxed{148}
 
 ``add`` ("37+4=?"), ``mul`` ("37*4=?") and ``lookup`` ("price of apple?", "population of zorb?",
-over the fictional table :data:`nemo_like.environments.tools.LOOKUP_TABLE`, 3032 keys). Texts are as short
+over the fictional table :data:`nemo_like.environments.tools.LOOKUP_TABLE`, 632 keys). Texts are as short
 as the Hermes/Qwen tool-call convention allows: the whole reference conversation rendered with the
 tiny ChatML template is about 150-170 character tokens (the call and response tags and chat markers
 alone take ~120), so a model for this task needs ``max_position_embeddings`` >= 192.
@@ -154,7 +154,7 @@ def generate_tool_dataset(
 
     Each row's kind is drawn from ``kinds`` (with ``weights``, default uniform); questions of a kind
     are drawn without replacement and only repeat once that kind's share of the split is used up,
-    which happens first for lookups (the table has 3032 keys, about a quarter held out). Arithmetic
+    which happens first for lookups (the table has 632 keys, about a quarter held out). Arithmetic
     operands are 0..``max_value``.
     """
     if split not in ("train", "validation"):

@@ -481,7 +481,7 @@ POPULATIONS: dict[str, int] = {
     "brell": 5012, "yarn": 8264, "pox": 319, "glim": 6048, "huxa": 2777, "wend": 1096, "krat": 9433,
     "lumo": 505, "fenn": 7120,
 }
-NUM_GENERATED_KEYS = 1500  # per table
+NUM_GENERATED_KEYS = 300  # per table
 
 
 def _generate_entries(taken: set[str], n: int, low: int, high: int, salt: str) -> dict[str, int]:

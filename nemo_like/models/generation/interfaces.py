@@ -26,8 +26,9 @@ class GenerationInterface(abc.ABC):
     """Input `data`: input_ids [B,T] right padded, input_lengths [B], optional stop_strings (list).
     Output: output_ids [B,T'] (prompt followed by the generated tokens, right padded),
     logprobs [B,T'] (log-prob of each generated token under the sampling distribution, 0 elsewhere),
-    generation_lengths [B], unpadded_sequence_lengths [B], truncated [B] (hit the token limit
-    without an end-of-sequence token)."""
+    generation_lengths [B], unpadded_sequence_lengths [B], truncated [B] (hit its token limit
+    without an end-of-sequence token or stop string). Each sample's limit is its own:
+    min(max_new_tokens, max_total_sequence_length - its input length)."""
 
     @abc.abstractmethod
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict: ...
