@@ -147,6 +147,11 @@ class MasterConfig(_Strict):
                 f"checkpointing.save_period ({self.checkpointing.save_period}) must be a multiple of "
                 f"grpo.val_period ({self.grpo.val_period}) to rank checkpoints by "
                 f"{self.checkpointing.metric_name}")
+        weights = [d.sampling_weight for d in self.data.train_list]
+        if any(w is not None for w in weights) and any(w is None for w in weights):
+            missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]
+            raise ValueError(f"data.train: sampling_weight is set on some datasets but not on those of tasks "
+                             f"{missing}; set it on every train dataset or on none")
         return self
 
 

@@ -72,3 +72,53 @@ def test_processor_registry():
 def test_bad_generator_kind_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="data.train"):
         load_config(CONFIG, ["data.train.1.generator.kind=video"])
+
+
+def test_mixture_sampler_draws_in_proportion_and_resumes_exactly():
+    from collections import Counter
+
+    from nemo_like.data.sampler import MixtureSampler
+
+    sizes, weights = [100, 10, 50], [1.0, 1.0, 2.0]
+    s = MixtureSampler(sizes, weights, seed=3)
+    draws = [s.next_indices(32) for _ in range(50)]
+    flat = [i for d in draws for i in d]
+    part = Counter(0 if i < 100 else 1 if i < 110 else 2 for i in flat)
+    assert 0.20 < part[0] / len(flat) < 0.30 and 0.20 < part[1] / len(flat) < 0.30 and 0.45 < part[2] / len(flat) < 0.55
+    # Each dataset is walked in its own epochs: the small one's first 10 draws are its 10 rows.
+    small = [i for i in flat if 100 <= i < 110]
+    assert sorted(small[:10]) == list(range(100, 110)) and s.epoch >= 1
+    # A fresh sampler given the state after 20 calls continues with exactly the same draws.
+    t = MixtureSampler(sizes, weights, seed=3)
+    for _ in range(20):
+        t.next_indices(32)
+    u = MixtureSampler(sizes, weights, seed=3)
+    u.load_state_dict(t.state_dict())
+    assert [u.next_indices(32) for _ in range(30)] == draws[20:]
+    assert MixtureSampler(sizes, weights, seed=4).next_indices(32) != draws[0]
+    with pytest.raises(ValueError, match="mixture"):
+        u.load_state_dict({"epoch": 0, "position": 0, "n": 160})
+    with pytest.raises(ValueError, match="one weight per dataset"):
+        MixtureSampler(sizes, [1.0], seed=0)
+
+
+def test_sampling_weight_on_all_train_datasets_or_none(config):
+    from nemo_like.algorithms.grpo import make_train_sampler
+    from nemo_like.data.sampler import EpochSampler, MixtureSampler
+
+    from nemo_like.config import ConfigError, load_yaml_with_defaults, validate_config
+
+    raw = load_yaml_with_defaults(CONFIG)
+    raw["data"]["train"][0]["sampling_weight"] = 2
+    with pytest.raises(ConfigError, match=r"sampling_weight is set on some datasets but not on those of tasks \['code', 'tool'\]"):
+        validate_config(raw)
+    tok = build_char_tokenizer()
+    cfgs = config.data.train_list
+    rows = [load_dataset_from_config(c).select(range(20)) for c in cfgs]
+    ds = build_task_dataset(cfgs, rows, tok, config.data.max_input_seq_length)
+    assert isinstance(make_train_sampler(cfgs, ds, 0), EpochSampler)
+    weighted = [c.model_copy(update={"sampling_weight": w}) for c, w in zip(cfgs, [1.0, 1.0, 6.0])]
+    s = make_train_sampler(weighted, ds, 0)
+    assert isinstance(s, MixtureSampler)
+    idx = s.next_indices(400)
+    assert sum(ds[i]["task_name"] == "tool" for i in idx) > 0.65 * 400

@@ -24,7 +24,7 @@ from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config import MasterConfig
 from nemo_like.data.collate import rl_collate_fn
-from nemo_like.data.sampler import EpochSampler
+from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.utils.checkpoint import CheckpointManager
@@ -44,7 +44,7 @@ class GRPOTrainer:
     envs: dict[str, Any]
     logger: Logger
     checkpointer: CheckpointManager | None
-    sampler: EpochSampler
+    sampler: EpochSampler | MixtureSampler
     loss_fn: ClippedPGLossFn
     step_count: int = 0
     last_val_metrics: dict[str, float] = field(default_factory=dict)
@@ -312,6 +312,14 @@ def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
 
 
 # ---- setup ------------------------------------------------------------------------------------
+def make_train_sampler(ds_cfgs, dataset, seed: int) -> EpochSampler | MixtureSampler:
+    """Epochs over all train rows, or a weighted mixture when the datasets set ``sampling_weight``."""
+    weights = [c.sampling_weight for c in ds_cfgs]
+    if any(w is None for w in weights):  # all or none: MasterConfig checks it
+        return EpochSampler(len(dataset), seed=seed)
+    return MixtureSampler([len(p) for p in getattr(dataset, "parts", [dataset])], weights, seed=seed)
+
+
 def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sft: bool = False):
     """Rows of each dataset config -> DatumSpecs through its task's processor; several datasets are
     served as one (a multi-task run)."""
@@ -420,7 +428,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
 
     trainer = GRPOTrainer(config=cfg, policy=policy, tokenizer=tokenizer, train_dataset=train_ds,
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
-                          sampler=EpochSampler(len(train_ds), seed=cfg.grpo.seed),
+                          sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
                           loss_fn=ClippedPGLossFn(cfg.loss_fn), _resources=resources)
     if latest is not None:
         trainer.load_checkpoint(latest)

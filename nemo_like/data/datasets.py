@@ -217,6 +217,9 @@ class DatasetConfig(BaseModel):
     system_prompt: str | None = None
     # Plain callables as the grader (TRL style): graded by the "reward_fn" environment.
     reward_fns: list[RewardFnConfig] | None = None
+    # Share of GRPO prompts drawn from this dataset, relative to the other train datasets' (set it
+    # on all of them or on none; none: in proportion to their sizes). SFT bootstrapping ignores it.
+    sampling_weight: float | None = Field(default=None, gt=0)
 
     @field_validator("prompt")
     @classmethod
