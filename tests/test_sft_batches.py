@@ -43,6 +43,7 @@ def test_bootstrap_cache_key_names_the_recipe_not_its_spelling():
     assert key() == key("bootstrap.num_workers=2")
     assert key("bootstrap.num_workers=1") != key()
     assert key("bootstrap.sft.num_steps=651") != key()
+    assert key("data.train.sampling_weight=3") == key()  # a GRPO-only setting
 
 
 def test_bootstrap_cache_key_follows_the_tool_table_only_for_tool_data(monkeypatch):

@@ -17,6 +17,10 @@ from nemo_like.config import MasterConfig
 _RECIPE_VERSION = 1
 
 
+# Dataset settings the SFT never reads: changing them must not rebuild the base model.
+_NOT_SFT = {"sampling_weight"}
+
+
 def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     b = cfg.bootstrap
     assert b is not None
@@ -24,7 +28,7 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     # extra_tokens joins the key only when used, so existing caches of plain models stay valid.
     model = b.model.model_dump(exclude=set() if b.model.extra_tokens else {"extra_tokens"})
     key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(exclude=set() if b.sft.group_by_length else {"group_by_length"}),
-                      "seed": b.seed, "data": [d.model_dump(exclude=set() if d.reward_fns else {"reward_fns"}) for d in data_cfgs],
+                      "seed": b.seed, "data": [d.model_dump(exclude=_NOT_SFT | (set() if d.reward_fns else {"reward_fns"})) for d in data_cfgs],
                       "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
                       "workers": b.num_workers or cfg.cluster.num_workers, **_generated_data_version(data_cfgs)},
                      sort_keys=True)
