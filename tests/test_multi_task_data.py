@@ -109,11 +109,13 @@ def test_sampling_weight_on_all_train_datasets_or_none(config):
     from nemo_like.config import ConfigError, load_yaml_with_defaults, validate_config
 
     raw = load_yaml_with_defaults(CONFIG)
+    for d in raw["data"]["train"][1:]:
+        d.pop("sampling_weight", None)
     raw["data"]["train"][0]["sampling_weight"] = 2
     with pytest.raises(ConfigError, match=r"sampling_weight is set on some datasets but not on those of tasks \['code', 'tool'\]"):
         validate_config(raw)
     tok = build_char_tokenizer()
-    cfgs = config.data.train_list
+    cfgs = [c.model_copy(update={"sampling_weight": None}) for c in config.data.train_list]
     rows = [load_dataset_from_config(c).select(range(20)) for c in cfgs]
     ds = build_task_dataset(cfgs, rows, tok, config.data.max_input_seq_length)
     assert isinstance(make_train_sampler(cfgs, ds, 0), EpochSampler)
