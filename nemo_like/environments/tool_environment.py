@@ -464,7 +464,7 @@ class ToolEnvironment(EnvironmentInterface):
         terminated = [True] * n
         observations: list[dict[str, str]] = [{"role": "environment", "content": "Environment: invalid sample"}] * n
         m = Counter({k: 0 for k in ("num_tool_calls", "num_tool_errors", "num_malformed_calls", "num_timeouts",
-                                    "num_turn_limit", "num_failures", "num_answers_right")})
+                                    "num_turn_limit", "num_failures", "num_correct")})
         try:
             jobs: list[tuple[Tool, dict]] = []
             job_slots: list[tuple[int, int]] = []  # (sample, index of the call in the sample)
@@ -486,7 +486,7 @@ class ToolEnvironment(EnvironmentInterface):
                                 reward *= float(made)
                             reward += bonus * made
                         rewards[i] = reward
-                        m["num_answers_right"] += reward >= 1.0
+                        m["num_correct"] += reward >= 1.0
                         observations[i] = {"role": "environment",
                                            "content": "Environment: correct" if reward >= 1.0 else "Environment: incorrect"}
                         continue
@@ -549,14 +549,13 @@ class ToolEnvironment(EnvironmentInterface):
             rewards, terminated = [0.0] * n, [True] * n
             observations = [{"role": "environment", "content": "Environment: internal error"}] * n
             out_meta = list(meta_in)
-            m["num_failures"], m["num_answers_right"] = n, 0
+            m["num_failures"], m["num_correct"] = n, 0
 
         import torch  # lazily: keeps this module import-light
 
         done = [i for i in range(n) if terminated[i]]
         metrics = {k: float(v) for k, v in m.items()}
         metrics["num_terminated"] = float(len(done))
-        metrics["num_correct"] = metrics.pop("num_answers_right")
         if done:  # undefined when no episode ended (a rollout averaging it over turns must not see a 0)
             metrics["accuracy"] = metrics["num_correct"] / len(done)
         return EnvironmentReturn(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import random
 import re
 import threading
 import types
@@ -486,8 +487,6 @@ NUM_GENERATED_KEYS = 300  # per table
 
 def _generate_entries(taken: set[str], n: int, low: int, high: int, salt: str) -> dict[str, int]:
     """``n`` new pseudo-words (two or three consonant-vowel syllables, fixed by ``salt``) -> values."""
-    import random
-
     rng = random.Random(f"nemo_like-lookup-{salt}")
     out: dict[str, int] = {}
     while len(out) < n:

@@ -94,10 +94,10 @@ def hf_generate(
     return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": pad_id})
 
 
-def _to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings, budgets=None):
+def _to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings, budgets):
     """Generated rows cut at their end (EOS, stop string) or at their own token budget."""
     B, G = gen.shape
-    budgets = torch.full((B,), G, dtype=torch.long) if budgets is None else budgets.clamp(max=G)
+    budgets = budgets.clamp(max=G)
     gen_lens = budgets.clone()
     truncated = torch.ones(B, dtype=torch.bool)
     for i in range(B):
