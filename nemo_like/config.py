@@ -72,6 +72,9 @@ class SFTBootstrapConfig(_Strict):
     micro_batch_size: int = Field(64, gt=0)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = 5
+    # "cosine": decay to 0 over num_steps. A short run ends better fitted with a decayed lr than with
+    # a constant one stopped mid-flight.
+    lr_decay: Literal["constant", "cosine"] = "constant"
     # Batches of similar length (HF Trainer's group_by_length): mixed tasks then pad far less.
     group_by_length: bool = False
 

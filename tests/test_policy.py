@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
@@ -13,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from nemo_like.algorithms.loss_functions import NLLLossFn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
-from nemo_like.models.policy import PolicyConfig
+from nemo_like.models.policy import PolicyConfig, SchedulerConfig
 from nemo_like.models.policy.hf_worker import token_logprobs
 from nemo_like.models.policy.lm_policy import Policy
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
@@ -29,7 +28,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    started = init_ray(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="nl_pol_", dir="/tmp"))
+    # 3 logical CPUs: the two-rank cluster plus one for the single-worker test.
+    started = init_ray(num_cpus=3, temp_dir=tempfile.mkdtemp(prefix="nl_pol_", dir="/tmp"))
     c = RayVirtualCluster(2, cpus_per_worker=1)
     yield c
     c.shutdown()
@@ -143,3 +143,49 @@ def test_train_lowers_nll_and_checkpoint_round_trips(policy, cluster, model_dir,
         # The optimizer state came back too: the next step matches the original policy's next step.
     finally:
         q.shutdown()
+
+
+def test_scheduler_factors():
+    assert [SchedulerConfig(warmup_steps=2).lr_factor(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cos = SchedulerConfig(warmup_steps=2, decay="cosine", total_steps=6, min_lr_ratio=0.1)
+    assert cos.lr_factor(2) == pytest.approx(1.0)
+    assert cos.lr_factor(4) == pytest.approx(0.55)  # halfway: min + (1 - min) / 2
+    assert cos.lr_factor(6) == pytest.approx(0.1) and cos.lr_factor(60) == pytest.approx(0.1)
+    lin = SchedulerConfig(decay="linear", total_steps=4)
+    assert [lin.lr_factor(s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    with pytest.raises(ValueError, match="needs scheduler.total_steps"):
+        SchedulerConfig(decay="cosine")
+    with pytest.raises(ValueError, match="must be larger than scheduler.warmup_steps"):
+        SchedulerConfig(decay="linear", warmup_steps=5, total_steps=5)
+
+
+def test_single_worker_trains_on_decayed_lr_and_round_trips(model_dir, tmp_path):
+    """One rank trains without FSDP (it would shard nothing); the lr follows the schedule and a
+    checkpoint of the unsharded model loads back into the same logprobs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    sched = {"warmup_steps": 1, "decay": "cosine", "total_steps": 5}
+    one = RayVirtualCluster(1, cpus_per_worker=1, name="single")
+    try:
+        p = Policy(one, _cfg(model_dir, scheduler=sched), seed=0, init_reference_model=False, name_prefix="one")
+        try:
+            data = _prompts(tok, ["12+34=46", "1+1=2", "3+4=7", "40+2=42", "5+5=10", "9+9=18", "2+2=4", "6+1=7"])
+            data["token_mask"] = (torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]).long()
+            data["sample_mask"] = torch.ones(8)
+            history = [p.train(data, NLLLossFn()) for _ in range(6)]
+            expected = [1e-2 * SchedulerConfig(**sched).lr_factor(k) for k in range(1, 7)]
+            assert [h["lr"] for h in history] == pytest.approx(expected)
+            assert history[-1]["loss"] < history[0]["loss"]
+            lp = p.get_logprobs(data)["logprobs"]
+            p.save_checkpoint(str(tmp_path / "one"))
+        finally:
+            p.shutdown()
+        q = Policy(one, _cfg(model_dir), seed=0, init_reference_model=False, name_prefix="one-load",
+                   weights_path=str(tmp_path / "one"))
+        try:
+            assert torch.allclose(q.get_logprobs(data)["logprobs"], lp, atol=1e-5)
+        finally:
+            q.shutdown()
+    finally:
+        one.shutdown()

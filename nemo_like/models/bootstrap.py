@@ -27,12 +27,21 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
     data_cfgs = [b.data] if b.data else cfg.data.train_list
     # extra_tokens joins the key only when used, so existing caches of plain models stay valid.
     model = b.model.model_dump(exclude=set() if b.model.extra_tokens else {"extra_tokens"})
-    key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": b.sft.model_dump(exclude=set() if b.sft.group_by_length else {"group_by_length"}),
+    key = json.dumps({"v": _RECIPE_VERSION, "model": model, "sft": _sft_key(b.sft),
                       "seed": b.seed, "data": [d.model_dump(exclude=_NOT_SFT | (set() if d.reward_fns else {"reward_fns"})) for d in data_cfgs],
                       "max_in": cfg.data.max_input_seq_length, "max_len": cfg.policy.max_total_sequence_length,
                       "workers": b.num_workers or cfg.cluster.num_workers, **_generated_data_version(data_cfgs)},
                      sort_keys=True)
     return Path(b.cache_dir).expanduser() / f"tiny-math-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+# SFT settings added after caches existed: left out of the key while at their default, so those
+# caches stay valid.
+_LATE_SFT_DEFAULTS = {"group_by_length": False, "lr_decay": "constant"}
+
+
+def _sft_key(sft: Any) -> dict:
+    return {k: v for k, v in sft.model_dump().items() if k not in _LATE_SFT_DEFAULTS or v != _LATE_SFT_DEFAULTS[k]}
 
 
 def _generated_data_version(data_cfgs: list) -> dict[str, str]:
@@ -70,6 +79,7 @@ def ensure_base_model(cfg: MasterConfig) -> str:
 def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
     from nemo_like.algorithms.sft import sft_train
     from nemo_like.data.datasets import load_dataset_from_config
+    from nemo_like.models.policy.interfaces import SchedulerConfig
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
@@ -94,7 +104,8 @@ def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
         "model_name": str(tmp), "tokenizer_name": str(tmp), "train_global_batch_size": s.batch_size,
         "train_micro_batch_size": min(s.micro_batch_size, s.batch_size),
         "optimizer": cfg.policy.optimizer.model_copy(update={"lr": s.lr}),
-        "scheduler": cfg.policy.scheduler.model_copy(update={"warmup_steps": s.warmup_steps})})
+        "scheduler": SchedulerConfig(warmup_steps=s.warmup_steps, decay=s.lr_decay if s.num_steps > s.warmup_steps else "constant",
+                                     total_steps=s.num_steps or None)})
     policy = Policy(cluster, policy_cfg, seed=b.seed, init_reference_model=False, name_prefix="sft")
     try:
         sft_train(policy, dataset, num_steps=s.num_steps, batch_size=s.batch_size,

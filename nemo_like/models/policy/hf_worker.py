@@ -66,7 +66,11 @@ class HFPolicyWorker:
         model.to(self.device)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
-        self.model = self._shard(model) if config.fsdp else model
+        # FSDP2 on one rank shards nothing but still pays for its hooks and DTensor optimizer steps
+        # (measured: 1.55x slower per SFT step on the tiny model); it stays on for one rank only
+        # where it supplies mixed precision.
+        shard = config.fsdp and (self.world_size > 1 or config.precision != "float32")
+        self.model = self._shard(model) if shard else model
         self.model.train()
 
         # The reference policy is the initial weights; kept as a detached copy and swapped in for
@@ -80,9 +84,7 @@ class HFPolicyWorker:
             o = config.optimizer
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                                weight_decay=o.weight_decay)
-            warm = config.scheduler.warmup_steps
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.scheduler.lr_factor(s))
 
     def _shard(self, model):
         from torch.distributed.device_mesh import init_device_mesh

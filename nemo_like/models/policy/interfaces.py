@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,9 +22,36 @@ class OptimizerConfig(BaseModel):
 
 
 class SchedulerConfig(BaseModel):
+    """Linear warmup to ``optimizer.lr``, then ``decay``: ``constant`` (the default: GRPO runs are short
+    and decay hurts them), or ``cosine``/``linear`` down to ``min_lr_ratio * lr`` at ``total_steps``
+    optimizer steps (then held there)."""
+
     model_config = ConfigDict(extra="forbid")
-    # Linear warmup to `optimizer.lr`, then constant: GRPO runs are short and decay hurts them.
     warmup_steps: int = Field(0, ge=0)
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    total_steps: int | None = Field(None, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _decay_needs_total(self) -> "SchedulerConfig":
+        if self.decay != "constant":
+            if self.total_steps is None:
+                raise ValueError(f"scheduler.decay={self.decay!r} needs scheduler.total_steps (optimizer steps)")
+            if self.total_steps <= self.warmup_steps:
+                raise ValueError(f"scheduler.total_steps ({self.total_steps}) must be larger than "
+                                 f"scheduler.warmup_steps ({self.warmup_steps})")
+        return self
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``optimizer.lr`` after ``step`` optimizer steps (LambdaLR's convention)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return 1.0
+        assert self.total_steps is not None
+        frac = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * frac)) if self.decay == "cosine" else 1.0 - frac
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
 class PolicyConfig(BaseModel):
