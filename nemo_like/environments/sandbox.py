@@ -69,7 +69,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from nemo_like.environments.sandbox_prelude import PRELUDE as _PRELUDE
+from nemo_like.environments.sandbox_prelude import RESULT_LINE_CAP as _RESULT_LINE_CAP
 from nemo_like.environments.sandbox_config import (
+    _describe_exit,
+    _exited,
+    _open_init_pidfd,
     _SAFE_ENV,
     BWRAP_INSTALL_HINT,
     SandboxConfig,
@@ -96,80 +101,9 @@ logger = logging.getLogger(__name__)
 # When the trainer is root, each run gets a fresh uid from this range (above systemd's container
 # ranges, below 2**31): RLIMIT_NPROC then counts only that run's processes.
 _UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
-_RESULT_LINE_CAP = 512  # bytes per result line the parent keeps (the prelude writes at most ~350)
 
 _warned_unsandboxed = False
 _warn_lock = threading.Lock()
-
-
-# The trusted harness that runs inside the sandbox before (and around) the untrusted program.
-# Everything it needs after the program has run is bound to locals first, so a program that
-# replaces builtins or module attributes (os.write, enumerate...) cannot change how results are
-# reported. Marker for tests: _nemo_like_sandbox_harness.
-_PRELUDE = r'''
-import os, sys
-def _nemo_like_sandbox_harness():
-    import builtins, json, resource
-    _write, _exit, _exec, _compile, _len = os.write, os._exit, exec, compile, len
-    _type, _str, _base = type, str, BaseException
-    p = json.loads(sys.stdin.buffer.read())
-    nonce = p.pop("nonce").encode()
-    res = os.dup(2)                 # private result channel: the original stderr pipe
-    os.dup2(1, 2)                   # the program's stderr goes to stdout with its prints
-    fd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(fd, 0)
-    os.close(fd)
-
-    def emit(kind, i=-1, info=""):
-        try:
-            text = info.encode("utf-8", "replace")[:300].replace(b"\n", b" ").replace(b"\r", b" ")
-        except _base:
-            text = b""
-        _write(res, b"%s %s %d %s\n" % (nonce, kind, i, text))
-
-    def describe(e):
-        try:
-            return "%s: %s" % (_type(e).__name__, _str(e))
-        except _base:
-            return "exception"
-
-    for name, value in p["limits"]:
-        resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
-    uid = p["uid"]
-    if uid is not None:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
-            _exit(121)
-    program, tests = p["program"], p["tests"]
-    n = _len(tests)
-    del p
-    emit(b"ready")
-    g = {"__name__": "__solution__", "__builtins__": builtins}
-    try:
-        _exec(_compile(program, "<program>", "exec", dont_inherit=True), g)
-    except _base as e:
-        emit(b"program_error", -1, describe(e))
-        _exit(1)
-    emit(b"program_ok")
-    i = 0
-    while i < n:
-        try:
-            _exec(_compile(tests[i], "<test %d>" % i, "exec", dont_inherit=True), g)
-        except _base as e:
-            emit(b"fail", i, describe(e))
-        else:
-            emit(b"pass", i)
-        i += 1
-    emit(b"done")
-    try:
-        sys.stdout.flush()
-    except _base:
-        pass
-    _exit(0)
-_nemo_like_sandbox_harness()
-'''
 
 
 def _warn_unsandboxed_once(reason: str) -> None:
@@ -596,36 +530,6 @@ class _RunState:
     output_limit: bool = False
     timed_out: bool = False
     init_pidfd: int | None = None  # the bwrap container's init (pid 1 of its pid namespace)
-
-
-def _open_init_pidfd(info: bytes) -> int | None:
-    """pidfd of the container init named in bwrap's --info-fd JSON ({"child-pid": N, ...})."""
-    try:
-        pid = json.loads(bytes(info).decode())["child-pid"]
-        return os.pidfd_open(int(pid)) if isinstance(pid, int) and pid > 1 else None
-    except (ValueError, KeyError, TypeError, AttributeError, OSError):
-        return None
-
-
-def _exited(pid: int) -> bool:
-    """Whether ``pid`` has exited, without reaping it (its pid and pgid stay reserved)."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
-
-
-def _describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "did not exit"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name}"
-    return f"exited with code {returncode} before finishing"
 
 
 def _safe_len(x: Any) -> int:

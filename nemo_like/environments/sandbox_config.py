@@ -1,13 +1,16 @@
 """The sandbox's limits (:class:`SandboxConfig`), the outcome of a run (:class:`SandboxResult`) and
 what a :class:`~nemo_like.environments.sandbox.Sandbox` needs to know about the host: the interpreter
-to run, its directories, the bwrap version and the directories to hide from programs."""
+to run, its directories, the bwrap version, the directories to hide from programs and how a run's
+processes exited."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -210,3 +213,33 @@ def _hidden_roots(extra: Sequence[str]) -> list[str]:
         if os.path.isdir(rp):
             real.append(rp)
     return _dedupe_nested(real)
+
+
+def _open_init_pidfd(info: bytes) -> int | None:
+    """pidfd of the container init named in bwrap's --info-fd JSON ({"child-pid": N, ...})."""
+    try:
+        pid = json.loads(bytes(info).decode())["child-pid"]
+        return os.pidfd_open(int(pid)) if isinstance(pid, int) and pid > 1 else None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return None
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited, without reaping it (its pid and pgid stay reserved)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "did not exit"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exited with code {returncode} before finishing"
