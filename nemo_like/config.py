@@ -72,8 +72,8 @@ class SFTBootstrapConfig(_Strict):
     micro_batch_size: int = Field(64, gt=0)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = 5
-    # "cosine": decay to 0 over num_steps. A short run ends better fitted with a decayed lr than with
-    # a constant one stopped mid-flight.
+    # "cosine": decay to 0 over num_steps. (Measured once: 1600 cosine steps left the multi-env base far
+    # weaker than 2400 constant ones, math 17% against 67%; fewer steps do not make up for the decay.)
     lr_decay: Literal["constant", "cosine"] = "constant"
     # Batches of similar length (HF Trainer's group_by_length): mixed tasks then pad far less.
     group_by_length: bool = False
