@@ -104,16 +104,33 @@ class HFPolicyWorker:
     # ---- generation -------------------------------------------------------------------------
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         self.model.eval()
-        try:
-            out = hf_generate(
-                self.model, self.tokenizer, data, self.cfg.generation, greedy=greedy,
-                max_total_length=self.cfg.max_total_sequence_length,
-                micro_batch_size=self.cfg.generation_batch_size,
-                synced=self.world_size > 1, device=self.device,
-            )
-        finally:
-            self.model.train()
+        with self._gathered():
+            try:
+                out = hf_generate(
+                    self.model, self.tokenizer, data, self.cfg.generation, greedy=greedy,
+                    max_total_length=self.cfg.max_total_sequence_length,
+                    micro_batch_size=self.cfg.generation_batch_size,
+                    synced=self.world_size > 1, device=self.device,
+                )
+            finally:
+                self.model.train()
         return out
+
+    @contextmanager
+    def _gathered(self):
+        # FSDP2 frees each layer's gathered weights after its forward, so decoding would all-gather
+        # every layer once per generated token; keep them gathered for the whole call instead.
+        from torch.distributed.fsdp import FSDPModule
+
+        layers = [m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model]
+        for m in layers:
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.set_reshard_after_forward(True, recurse=False)
+            self._reshard()
 
     # ---- log-probs ----------------------------------------------------------------------------
     @torch.no_grad()
