@@ -44,6 +44,9 @@ def test_bootstrap_cache_key_names_the_recipe_not_its_spelling():
     assert key("bootstrap.num_workers=1") != key()
     assert key("bootstrap.sft.num_steps=651") != key()
     assert key("data.train.sampling_weight=3") == key()  # a GRPO-only setting
+    # A setting added later joins the key only when it differs from the default that built the caches.
+    assert key("bootstrap.sft.lr_decay=constant") == key()
+    assert key("bootstrap.sft.lr_decay=cosine") != key()
 
 
 def test_bootstrap_cache_key_follows_the_tool_table_only_for_tool_data(monkeypatch):

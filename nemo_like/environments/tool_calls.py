@@ -171,17 +171,17 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
 
 
-def _compact_json(value: Any) -> str:
+def compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def format_tool_response(result: Any = None, *, error: str | None = None) -> str:
     """One ``<tool_response>`` block: the result as compact JSON, or ``{"error": "..."}``."""
-    payload = _compact_json({"error": error[:MAX_ERROR_CHARS]}) if error is not None else _compact_json(result)
+    payload = compact_json({"error": error[:MAX_ERROR_CHARS]}) if error is not None else compact_json(result)
     return f"{RESPONSE_OPEN}{payload}{RESPONSE_CLOSE}"
 
 
-def _canonical_call(call: Any) -> str | None:
+def canonical_call(call: Any) -> str | None:
     """Key for exact name+arguments matching: JSON types matter (4 != 4.0 != true), key order does not."""
     try:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):

@@ -25,9 +25,9 @@ from nemo_like.environments.tool_calls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_STOP_STRINGS,
-    _canonical_call,
-    _compact_json,
     answers_match,
+    canonical_call,
+    compact_json,
     extract_tool_answer,
     format_tool_call,
     format_tool_response,
@@ -104,7 +104,7 @@ def _expected_calls(meta: dict) -> list[str]:
             raise _BadItem("expected_calls is not valid JSON") from None
     if not isinstance(exp, list):
         raise _BadItem("metadata has no expected_calls list")
-    keys = [_canonical_call(c) for c in exp]
+    keys = [canonical_call(c) for c in exp]
     if any(k is None for k in keys):
         raise _BadItem("expected_calls entries must be {name, arguments} objects")
     return keys  # type: ignore[return-value]
@@ -123,7 +123,7 @@ class _Call:
     def _run(self) -> None:
         try:
             result = self.tool.fn(**self.arguments)
-            text = _compact_json(result)  # serialised here, so a huge result also counts against the limit
+            text = compact_json(result)  # serialised here, so a huge result also counts against the limit
             if len(text) > self.max_chars:
                 self.error = f"tool result is longer than {self.max_chars} characters"
             else:
@@ -370,7 +370,7 @@ class ToolEnvironment(EnvironmentInterface):
     def _made_expected_calls(meta: dict) -> bool:
         expected = Counter(_expected_calls(meta))
         made = Counter(
-            _canonical_call(c) for c in (meta.get("tool_calls") or []) if isinstance(c, dict) and c.get("ok")
+            canonical_call(c) for c in (meta.get("tool_calls") or []) if isinstance(c, dict) and c.get("ok")
         )
         return all(made[k] >= v for k, v in expected.items())
 
