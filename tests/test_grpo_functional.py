@@ -23,6 +23,8 @@ def _config(tmp_path, *extra):
         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
         "loss_fn.reference_policy_kl_penalty=0.01",
+        # Two FSDP ranks (the default is one worker): generation, log-probs and training all sharded.
+        "cluster.num_workers=2", "cluster.cpus_per_worker=1",
         "data.train.generator.num_samples=200", "data.validation.generator.num_samples=16",
         "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
         "bootstrap.sft.num_steps=5", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",

@@ -39,8 +39,9 @@ def test_bootstrap_cache_key_names_the_recipe_not_its_spelling():
     def key(*overrides):
         return bootstrap_cache_path(load_config(cfg_path, list(overrides))).name
 
-    # The default trains on cluster.num_workers (2) workers: saying so explicitly is the same model.
-    assert key() == key("bootstrap.num_workers=2")
+    # The key names the number of SFT workers, not where it is set: bootstrap.num_workers (2 in this
+    # config) or, when that is unset, cluster.num_workers.
+    assert key() == key("bootstrap.num_workers=null", "cluster.num_workers=2", "cluster.cpus_per_worker=1")
     assert key("bootstrap.num_workers=1") != key()
     assert key("bootstrap.sft.num_steps=651") != key()
     assert key("data.train.sampling_weight=3") == key()  # a GRPO-only setting
