@@ -75,6 +75,29 @@ def test_slow_function_times_out_and_the_step_goes_on():
     assert ret.rewards.tolist() == [0.0, 0.0] and ret.metrics["slow/num_timeouts"] == 1.0
 
 
+def test_a_hung_function_is_not_called_again_until_its_call_returns():
+    import threading
+
+    release = threading.Event()
+    calls = []
+
+    def stuck(completions, **_):
+        calls.append(len(completions))
+        release.wait(10)
+        return [1.0] * len(completions)
+
+    env = RewardFnEnvironment({"reward_fns": [stuck], "timeout_s": 0.2})
+    threads_before = threading.active_count()
+    for _ in range(4):
+        ret = env.step(*_logs(["a", "b"]))
+        assert ret.rewards.tolist() == [0.0, 0.0] and ret.metrics["stuck/num_timeouts"] == 1.0
+    assert calls == [2] and threading.active_count() == threads_before + 1  # one stuck thread, not four
+    release.set()
+    env.entries[0].hung.join(5)
+    ret = env.step(*_logs(["a", "b"]))  # it returned: called again, and now it answers in time
+    assert ret.rewards.tolist() == [1.0, 1.0] and calls == [2, 2]
+
+
 def test_none_means_unscorable_nan_reward_unless_another_function_scores_it():
     maybe = lambda completions, **_: [None if c == "?" else 1.0 for c in completions]  # noqa: E731
     env = RewardFnEnvironment({"reward_fns": [maybe]})

@@ -99,11 +99,18 @@ class _Entry:
         self.fn, self.weight, self.name = fn, float(weight), name
         self.kwargs = _accepted_kwargs(fn)
         self.traceback_shown = False
+        self.hung: threading.Thread | None = None  # the thread of a call that timed out, if still running
+
+
+class _TimedOut(TimeoutError):
+    def __init__(self, timeout_s: float, thread: threading.Thread):
+        super().__init__(f"took longer than {timeout_s} s")
+        self.thread = thread
 
 
 def _run_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
-    """Run ``fn`` in a daemon thread; raise TimeoutError if it is not done in ``timeout_s``. A
-    thread cannot be killed, so a hung function keeps its thread, but the step goes on."""
+    """Run ``fn`` in a daemon thread; raise _TimedOut if it is not done in ``timeout_s``. A thread
+    cannot be killed, so a hung call keeps its thread (the caller holds it), but the step goes on."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -116,7 +123,7 @@ def _run_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout_s: float)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
-        raise TimeoutError(f"took longer than {timeout_s} s")
+        raise _TimedOut(timeout_s, t)
     if "error" in box:
         box["error"].__nemo_like_tb__ = box["tb"]
         raise box["error"]
@@ -161,9 +168,16 @@ class RewardFnEnvironment(EnvironmentInterface):
         """Values of one function for the batch and the failure kind, if any (then all zeros)."""
         n = len(completions)
         kwargs = columns if entry.kwargs is None else {k: v for k, v in columns.items() if k in entry.kwargs}
+        if entry.hung is not None and entry.hung.is_alive():
+            # One stuck thread per function at most: a function that hangs on every call would
+            # otherwise leave a thread behind at every step.
+            self._report(entry, "its last call timed out and is still running; not called until it returns")
+            return [0.0] * n, "timeouts"
+        entry.hung = None
         try:
             out = _run_with_timeout(entry.fn, (list(completions),), kwargs, self.timeout_s)
-        except TimeoutError as e:
+        except _TimedOut as e:
+            entry.hung = e.thread
             self._report(entry, f"timed out: {e}")
             return [0.0] * n, "timeouts"
         except Exception as e:
