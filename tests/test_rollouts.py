@@ -219,3 +219,47 @@ def test_each_sample_generates_within_its_own_budget(setup_env):
     for i, r in enumerate(rows):  # rows are prompt + their own generated tokens, nothing else
         assert out["output_ids"][i, :len(r)].tolist() == r
         assert (out["output_ids"][i, len(r) + gen[i]:] == tok.pad_token_id).all()
+
+
+class _CountingTokenizer:
+    """The char tokenizer, counting decode calls (to check the search is not one decode per token)."""
+
+    def __init__(self, tok):
+        self.tok, self.decodes = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decodes += 1
+        return self.tok.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("text,stops,expected", [
+    ("abc</tool_call>xyz", ["</tool_call>"], len("abc</tool_call>")),
+    ("</tool_call>", ["</tool_call>"], len("</tool_call>")),
+    ("x!y?z", ["?", "!"], 2),  # the earliest of several stop strings
+    ("no stop here", ["</tool_call>"], None),
+    ("abc</tool_", ["</tool_call>"], None),  # a partial stop string is not a stop
+])
+def test_stop_string_end_finds_the_first_completing_token(text, stops, expected):
+    from nemo_like.models.generation.hf_generation import _stop_string_end
+
+    tok = build_char_tokenizer(extra_tokens=["</tool_call>"])
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    row = torch.tensor(ids + [tok.pad_token_id] * 4)
+    got = _stop_string_end(row, tok.pad_token_id, tok, stops)
+    if expected is not None and "</tool_call>" in text:
+        # One token for the tag: the count of tokens, not characters, up to its end.
+        expected = len(tok(text[:expected], add_special_tokens=False)["input_ids"])
+    assert got == expected
+
+
+def test_stop_string_end_needs_few_decodes_and_ignores_text_after_padding():
+    from nemo_like.models.generation.hf_generation import _stop_string_end
+
+    tok = build_char_tokenizer()
+    ids = tok("a" * 700 + "STOP" + "b" * 300, add_special_tokens=False)["input_ids"]
+    counting = _CountingTokenizer(tok)
+    assert _stop_string_end(torch.tensor(ids), tok.pad_token_id, counting, ["STOP"]) == 704
+    assert counting.decodes <= 12  # 1 + ceil(log2(1004)); the old scan decoded 704 prefixes
+    # A stop string after the first pad was never generated (HF pads once a sample has stopped).
+    padded = tok("abc", add_special_tokens=False)["input_ids"] + [tok.pad_token_id] + ids
+    assert _stop_string_end(torch.tensor(padded), tok.pad_token_id, tok, ["STOP"]) is None
