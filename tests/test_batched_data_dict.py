@@ -123,6 +123,25 @@ def test_microbatch_iterator():
         make(2).make_microbatch_iterator(0)
 
 
+def test_length_sorted_microbatches_trim_per_token_tensors():
+    lengths = torch.tensor([2, 6, 1, 6, 3])
+    width = 7
+    ids_ = torch.arange(5)[:, None] * 10 + torch.arange(width)[None]
+    b = BatchedDataDict(input_ids=ids_, input_lengths=lengths, mask=torch.ones(5, width), lp=torch.zeros(5, width, 2),
+                        weight=torch.arange(5.0), text=[f"s{i}" for i in range(5)], pair=torch.zeros(5, 2))
+    out = list(b.make_length_sorted_microbatch_iterator(2))
+    assert [idx for idx, _ in out] == [[1, 3], [4, 0], [2]]  # longest first; ties keep batch order
+    widths = [mb["input_ids"].shape[1] for _, mb in out]
+    assert widths == [6, 3, 1]
+    for idx, mb in out:
+        w = mb["input_ids"].shape[1]
+        assert torch.equal(mb["input_ids"], ids_[idx, :w]) and mb["mask"].shape == (len(idx), w)
+        assert mb["lp"].shape == (len(idx), w, 2) and mb["text"] == [f"s{i}" for i in idx]
+        assert mb["weight"].tolist() == [float(i) for i in idx] and mb["pair"].shape == (len(idx), 2)
+    with pytest.raises(KeyError, match="need 'input_lengths' and 'input_ids'"):
+        next(make(2).make_length_sorted_microbatch_iterator(2))
+
+
 def test_to_get_dict_copy_pickle():
     b = make(2)
     assert b.to("cpu") is b and b["ids"].device.type == "cpu"

@@ -189,3 +189,32 @@ def test_single_worker_trains_on_decayed_lr_and_round_trips(model_dir, tmp_path)
             q.shutdown()
     finally:
         one.shutdown()
+
+
+def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir):
+    """Several micro-batches are regrouped by length and cut to their own longest sample; the
+    update must equal that of the whole batch in one pass (same start, same data)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["1+1=2", "12+34=46 because 12+34 is 46", "3+4=7", "40+2=42, forty-two", "5+5=10", "9+9=18",
+             "2+2=4 and 2*2=4 and 2^2=4", "6+1=7"]
+    data = _prompts(tok, texts)
+    data["token_mask"] = (torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]).long()
+    data["sample_mask"] = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    one = RayVirtualCluster(1, cpus_per_worker=1, name="sorted")
+    results = []
+    try:
+        for mbs in (8, 2):  # 8: one pass over the batch as given; 2: four length-sorted passes
+            p = Policy(one, _cfg(model_dir), seed=0, init_reference_model=False, name_prefix=f"mbs{mbs}")
+            try:
+                m = p.train(data, NLLLossFn(), micro_batch_size=mbs)
+                results.append((m, p.get_logprobs(data)["logprobs"]))
+            finally:
+                p.shutdown()
+    finally:
+        one.shutdown()
+    (m8, lp8), (m2, lp2) = results
+    assert m2["loss"] == pytest.approx(m8["loss"], rel=1e-5) and m2["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-4)
+    am = data["token_mask"].bool()
+    assert torch.allclose(lp2[am], lp8[am], atol=1e-5)

@@ -195,6 +195,28 @@ class BatchedDataDict(dict):
         size = self.size
         return (self.slice(s, min(s + mb_size, size)) for s in range(0, size, mb_size))
 
+    def make_length_sorted_microbatch_iterator(
+        self, mb_size: int, *, length_key: str = "input_lengths", seq_key: str = "input_ids"
+    ) -> Iterator[tuple[list[int], BatchedDataDict]]:
+        """Yield ``(indices, micro_batch)``: samples sorted by ``length_key`` (longest first), each
+        micro-batch's per-token tensors (2-D or more, as wide as ``seq_key``) cut to its own longest
+        sample. A forward pass costs its padded width: in a batch that mixes short and long samples
+        (a math answer beside a multi-turn tool episode), the short ones stop paying for the long."""
+        _check_positive_int("mb_size", mb_size)
+        if length_key not in self or seq_key not in self:
+            raise KeyError(f"length-sorted micro-batches need {length_key!r} and {seq_key!r}; have {sorted(self)}")
+        lengths = self[length_key]
+        width = self[seq_key].shape[1]
+        order = sorted(range(self.size), key=lambda i: -int(lengths[i]))  # stable: ties keep batch order
+        for s in range(0, len(order), mb_size):
+            idx = order[s : s + mb_size]
+            mb = self.select_indices(idx)
+            w = int(lengths[idx].max()) if idx else 0
+            for k, v in list(mb.items()):
+                if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width:
+                    mb[k] = v[:, :w]
+            yield idx, mb
+
     # --- misc -------------------------------------------------------------------------------
     def to(self, device: torch.device | str) -> BatchedDataDict:
         """Move every tensor to ``device`` in place (lists untouched); returns self for chaining."""

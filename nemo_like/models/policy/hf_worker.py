@@ -136,11 +136,10 @@ class HFPolicyWorker:
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         temp = self.cfg.generation.temperature
-        chunks = []
-        for mb in data.make_microbatch_iterator(self.cfg.logprob_batch_size):
+        lp = torch.zeros_like(data["input_ids"], dtype=torch.float32)
+        for idx, mb in data.make_length_sorted_microbatch_iterator(self.cfg.logprob_batch_size):
             ids = mb["input_ids"].to(self.device)
-            chunks.append(token_logprobs(self.model, ids, _attention_mask(ids, mb["input_lengths"]), temp).cpu())
-        lp = torch.cat(chunks) if chunks else torch.zeros_like(data["input_ids"], dtype=torch.float32)
+            lp[idx, : ids.shape[1]] = token_logprobs(self.model, ids, _attention_mask(ids, mb["input_lengths"]), temp).cpu()
         return BatchedDataDict(logprobs=lp)
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -197,7 +196,13 @@ class HFPolicyWorker:
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             weight_total = 0.0
-            for mb in gb.make_microbatch_iterator(mbs):
+            # Several micro-batches: grouped by length, each padded only to its own longest sample.
+            # The loss is a share of global counts, so the gradient does not depend on the grouping.
+            # One micro-batch (the SFT bootstrap) runs as given, which keeps cached base models
+            # reproducible.
+            mbs_iter = (gb.make_microbatch_iterator(mbs) if gb.size <= mbs
+                        else (mb for _, mb in gb.make_length_sorted_microbatch_iterator(mbs)))
+            for mb in mbs_iter:
                 ids = mb["input_ids"].to(self.device)
                 lp = token_logprobs(self.model, ids, _attention_mask(ids, mb["input_lengths"]), temp)
                 mbd = mb.to(self.device)
