@@ -25,9 +25,9 @@ def test_multi_env_config_routes_each_task(config):
     cfgs = config.data.validation_list
     assert [c.task_name for c in cfgs] == ["math", "code", "tool"]
     ds = build_task_dataset(cfgs, [load_dataset_from_config(c) for c in cfgs], tok, config.data.max_input_seq_length)
-    assert len(ds) == 400  # 100 math, 100 code, 200 tool problems
+    assert len(ds) == 500  # 200 math, 100 code, 200 tool problems
     idx = ds.first_indices(2)
-    assert idx == [0, 1, 100, 101, 200, 201]
+    assert idx == [0, 1, 200, 201, 300, 301]
     by_task = {}
     for i in idx:
         d = ds[i]
