@@ -60,7 +60,15 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
             for phase in ("generation_and_reward", "logprobs", "train"):
                 assert m[f"timing/{phase}"] > 0
         assert "val/accuracy" in results[1]  # val_period=2
-        assert "held-out greedy accuracy" in accuracy_summary(trainer)
+        # The first and last validations graded the same problems: the summary pairs them.
+        first, last = trainer.first_val_results, trainer.last_val_results
+        n = int(trainer.last_val_metrics["val/num_samples"])
+        assert len(first["correct"]) == len(last["correct"]) == n and first["task_name"] == last["task_name"]
+        assert sum(last["correct"]) == round(trainer.last_val_metrics["val/accuracy"] * n)
+        gained = sum(a and not b for b, a in zip(first["correct"], last["correct"]))
+        lost = sum(b and not a for b, a in zip(first["correct"], last["correct"]))
+        summary = accuracy_summary(trainer)
+        assert "held-out greedy accuracy" in summary and f"{gained} gained, {lost} lost, McNemar p" in summary
     finally:
         trainer.close()
 
@@ -77,6 +85,7 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
     trainer = setup(_config(run_dir, "grpo.max_num_steps=4"))
     try:
         assert trainer.step_count == 3
+        assert trainer.first_val_results == first and trainer.last_val_results == last  # kept in the checkpoint
         assert (trainer.sampler.epoch, trainer.sampler.position) == (0, 12)  # 3 steps x 4 prompts
         grpo_train(trainer)
         assert trainer.step_count == 4

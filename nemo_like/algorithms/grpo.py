@@ -29,6 +29,7 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.utils.checkpoint import CheckpointManager
 from nemo_like.utils.logger import Logger
+from nemo_like.utils.stats import paired_change
 from nemo_like.utils.timer import Timer
 
 
@@ -48,6 +49,9 @@ class GRPOTrainer:
     loss_fn: ClippedPGLossFn
     step_count: int = 0
     last_val_metrics: dict[str, float] = field(default_factory=dict)
+    # Per-problem results of the first and the latest validation (task_name, correct), for paired stats.
+    first_val_results: dict[str, list] | None = None
+    last_val_results: dict[str, list] | None = None
     last_batch: BatchedDataDict | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     _resources: list[Any] = field(default_factory=list)  # shut down in close(), in reverse order
@@ -156,6 +160,9 @@ class GRPOTrainer:
         if len(set(batch["task_name"])) > 1:
             out |= per_task_metrics(batch, "val")
         self.last_val_metrics = out
+        self.last_val_results = {"task_name": list(batch["task_name"]), "correct": (rewards >= 1.0).tolist()}
+        if self.first_val_results is None:
+            self.first_val_results = self.last_val_results
         if log:
             self.logger.log_metrics(out, step=self.step_count)
             self.history.append({"step": self.step_count} | out)
@@ -174,7 +181,8 @@ class GRPOTrainer:
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
         torch.save({"step": self.step_count, "sampler": self.sampler.state_dict(),
                     "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
-                    "torch_rng": torch.get_rng_state(), "last_val_metrics": self.last_val_metrics},
+                    "torch_rng": torch.get_rng_state(), "last_val_metrics": self.last_val_metrics,
+                    "first_val_results": self.first_val_results, "last_val_results": self.last_val_results},
                    tmp / "train_state.pt")
         return self.checkpointer.finalize_checkpoint(tmp)
 
@@ -188,6 +196,8 @@ class GRPOTrainer:
         np.random.set_state(state["numpy_rng"])
         torch.set_rng_state(state["torch_rng"])
         self.last_val_metrics = state.get("last_val_metrics", {})
+        self.first_val_results = state.get("first_val_results")
+        self.last_val_results = state.get("last_val_results")
 
     def set_env(self, task: str, actor: Any) -> None:
         """Grade ``task`` with ``actor`` from the next rollout on; the old actor is killed."""
@@ -258,8 +268,9 @@ def accuracy_summary(trainer: GRPOTrainer) -> str:
     if not vals:
         return "no validation was run"
     (s0, a0), (s1, a1) = vals[0], vals[-1]
+    paired = _paired(trainer, None)
     return (f"held-out greedy accuracy: {a0:.1%} at step {s0} -> {a1:.1%} at step {s1} "
-            f"({(a1 - a0) * 100:+.1f} points)")
+            f"({(a1 - a0) * 100:+.1f} points{'; ' + paired if paired else ''})")
 
 
 def per_task_summary(trainer: GRPOTrainer) -> list[str]:
@@ -269,8 +280,21 @@ def per_task_summary(trainer: GRPOTrainer) -> list[str]:
                    and k.count("/") == 2})
     for key in keys:
         vals = [h[key] for h in trainer.history if key in h]
-        lines.append(f"{key.split('/')[1]}: {vals[0]:.1%} -> {vals[-1]:.1%} ({(vals[-1] - vals[0]) * 100:+.1f} points)")
+        task = key.split("/")[1]
+        paired = _paired(trainer, task)
+        lines.append(f"{task}: {vals[0]:.1%} -> {vals[-1]:.1%} ({(vals[-1] - vals[0]) * 100:+.1f} points"
+                     f"{'; ' + paired if paired else ''})")
     return lines
+
+
+def _paired(trainer: GRPOTrainer, task: str | None) -> str | None:
+    """Problems gained and lost between the first and the latest validation (the same problems),
+    with an exact McNemar p-value: how far a change is from what noise would give."""
+    first, last = trainer.first_val_results, trainer.last_val_results
+    if not first or not last or first is last or first["task_name"] != last["task_name"]:
+        return None
+    pick = [i for i, t in enumerate(first["task_name"]) if task is None or t == task]
+    return paired_change([first["correct"][i] for i in pick], [last["correct"][i] for i in pick])
 
 
 def dump_config(config: MasterConfig) -> dict:
