@@ -122,6 +122,34 @@ class MasterConfig(_Strict):
     cluster: ClusterConfig = ClusterConfig()
     bootstrap: BootstrapConfig | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_spans_the_run(cls, data: Any) -> Any:
+        """``policy.scheduler.total_steps: auto``: the run's optimizer steps, so a decay still ends
+        at the last step when ``grpo.max_num_steps`` or a batch size is overridden."""
+        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict):
+            return data
+        sched = data["policy"].get("scheduler")
+        if not isinstance(sched, dict) or sched.get("total_steps") != "auto":
+            return data
+        g = data.get("grpo") or {}
+        if not isinstance(g, dict):
+            g = g.model_dump()
+
+        def get(d: dict, model: type[BaseModel], key: str) -> Any:
+            return d[key] if key in d else model.model_fields[key].default
+
+        try:
+            completions = int(get(g, GRPOConfig, "num_prompts_per_step")) * int(get(g, GRPOConfig, "num_generations_per_prompt"))
+            per_step = max(1, completions // int(data["policy"]["train_global_batch_size"]))
+            # At least one step past warmup: a run of 0 steps (validation only) still validates.
+            total = max(int(get(g, GRPOConfig, "max_num_steps")) * per_step, int(sched.get("warmup_steps", 0)) + 1)
+        except (KeyError, TypeError, ValueError):
+            return data  # the fields' own validation names what is wrong
+        data = dict(data)
+        data["policy"] = dict(data["policy"]) | {"scheduler": dict(sched) | {"total_steps": total}}
+        return data
+
     @model_validator(mode="after")
     def _consistent_batches(self) -> "MasterConfig":
         g, p = self.grpo, self.policy

@@ -24,6 +24,18 @@ def test_example_configs_validate():
     assert big.data.train.path.startswith("hf:")
 
 
+def test_auto_schedule_spans_the_run():
+    # 32 prompts x 8 = 256 completions, global batch 128: two optimizer steps per GRPO step.
+    assert load_config(TINY).policy.scheduler.total_steps == 60 * 2
+    longer = load_config(TINY, ["grpo.max_num_steps=100", "policy.train_global_batch_size=64"])
+    assert longer.policy.scheduler.decay == "linear" and longer.policy.scheduler.total_steps == 100 * 4
+    assert load_config(TINY, ["grpo.max_num_steps=0"]).policy.scheduler.total_steps == 1  # still a valid schedule
+    fixed = load_config(TINY, ["policy.scheduler.total_steps=50"])
+    assert fixed.policy.scheduler.total_steps == 50
+    with pytest.raises(ConfigError, match="policy.scheduler.total_steps"):
+        load_config(TINY, ["policy.scheduler.total_steps=soon"])
+
+
 def test_defaults_chain_and_cycle(tmp_path):
     (tmp_path / "a.yaml").write_text("x: {y: 1, z: 2}\n")
     (tmp_path / "b.yaml").write_text("defaults: a.yaml\nx: {y: 5}\n")

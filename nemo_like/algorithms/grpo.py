@@ -302,7 +302,9 @@ def dump_config(config: MasterConfig) -> dict:
 
 
 # Sections a resumed run may change: how long to train and how to log/save/place it, not what.
+# A schedule's length follows a longer run (total_steps: auto): the lr is recomputed from the new length.
 _RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
+                      "policy.scheduler.total_steps",
                       "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
                       "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")
 

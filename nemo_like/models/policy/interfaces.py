@@ -22,9 +22,9 @@ class OptimizerConfig(BaseModel):
 
 
 class SchedulerConfig(BaseModel):
-    """Linear warmup to ``optimizer.lr``, then ``decay``: ``constant`` (the default: GRPO runs are short
-    and decay hurts them), or ``cosine``/``linear`` down to ``min_lr_ratio * lr`` at ``total_steps``
-    optimizer steps (then held there)."""
+    """Linear warmup to ``optimizer.lr``, then ``decay``: ``constant`` (the default), or
+    ``cosine``/``linear`` down to ``min_lr_ratio * lr`` at ``total_steps`` optimizer steps (then held
+    there). In a GRPO config ``total_steps: auto`` means the whole run."""
 
     model_config = ConfigDict(extra="forbid")
     warmup_steps: int = Field(0, ge=0)
