@@ -138,6 +138,8 @@ def test_length_sorted_microbatches_trim_per_token_tensors():
         assert torch.equal(mb["input_ids"], ids_[idx, :w]) and mb["mask"].shape == (len(idx), w)
         assert mb["lp"].shape == (len(idx), w, 2) and mb["text"] == [f"s{i}" for i in idx]
         assert mb["weight"].tolist() == [float(i) for i in idx] and mb["pair"].shape == (len(idx), 2)
+    whole = list(b.make_length_sorted_microbatch_iterator(5))  # fits in one: as given
+    assert len(whole) == 1 and whole[0][0] == [0, 1, 2, 3, 4] and whole[0][1]["input_ids"].shape == (5, width)
     with pytest.raises(KeyError, match="need 'input_lengths' and 'input_ids'"):
         next(make(2).make_length_sorted_microbatch_iterator(2))
 

@@ -201,10 +201,16 @@ class BatchedDataDict(dict):
         """Yield ``(indices, micro_batch)``: samples sorted by ``length_key`` (longest first), each
         micro-batch's per-token tensors (2-D or more, as wide as ``seq_key``) cut to its own longest
         sample. A forward pass costs its padded width: in a batch that mixes short and long samples
-        (a math answer beside a multi-turn tool episode), the short ones stop paying for the long."""
+        (a math answer beside a multi-turn tool episode), the short ones stop paying for the long.
+        A batch that fits in one micro-batch comes back as given (same order, same width), so a
+        one-pass computation such as the SFT bootstrap is reproduced exactly."""
         _check_positive_int("mb_size", mb_size)
         if length_key not in self or seq_key not in self:
             raise KeyError(f"length-sorted micro-batches need {length_key!r} and {seq_key!r}; have {sorted(self)}")
+        if self.size <= mb_size:
+            if self.size:
+                yield list(range(self.size)), self
+            return
         lengths = self[length_key]
         width = self[seq_key].shape[1]
         order = sorted(range(self.size), key=lambda i: -int(lengths[i]))  # stable: ties keep batch order

@@ -196,13 +196,9 @@ class HFPolicyWorker:
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             weight_total = 0.0
-            # Several micro-batches: grouped by length, each padded only to its own longest sample.
-            # The loss is a share of global counts, so the gradient does not depend on the grouping.
-            # One micro-batch (the SFT bootstrap) runs as given, which keeps cached base models
-            # reproducible.
-            mbs_iter = (gb.make_microbatch_iterator(mbs) if gb.size <= mbs
-                        else (mb for _, mb in gb.make_length_sorted_microbatch_iterator(mbs)))
-            for mb in mbs_iter:
+            # Micro-batches grouped by length, each padded only to its own longest sample. The loss
+            # is a share of global counts, so the gradient does not depend on the grouping.
+            for _, mb in gb.make_length_sorted_microbatch_iterator(mbs):
                 ids = mb["input_ids"].to(self.device)
                 lp = token_logprobs(self.model, ids, _attention_mask(ids, mb["input_lengths"]), temp)
                 mbd = mb.to(self.device)
