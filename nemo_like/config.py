@@ -44,6 +44,11 @@ class GRPOConfig(_Strict):
     # Truncated samples (cut off by a length limit) stay in their group's baseline but carry no loss:
     # rewarding a right answer followed by a runaway tail teaches the model never to stop (DAPO).
     overlong_filtering: bool = False
+    # Use the sampler's log-probs as the old policy's instead of recomputing them ("auto": when the
+    # sampler is the training model at float32, where they are the same numbers).
+    reuse_generation_logprobs: bool | Literal["auto"] = "auto"
+    # While reusing, recompute every this many steps (0: never) so the mismatch stays measured.
+    logprob_check_period: int = Field(10, ge=0)
     seed: int = 42
 
 

@@ -29,6 +29,7 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.utils.checkpoint import CheckpointManager
 from nemo_like.utils.logger import Logger
+from nemo_like.utils.perf import throughput_metrics
 from nemo_like.utils.stats import paired_change
 from nemo_like.utils.timer import Timer
 
@@ -60,6 +61,7 @@ class GRPOTrainer:
     def step(self) -> dict[str, float]:
         cfg, timer = self.config, Timer()
         G = cfg.grpo.num_generations_per_prompt
+        logprob_eff = None
         with timer.time("total"):
             # 1. Prompts, each repeated G times; samples of one prompt share a group id.
             with timer.time("data"):
@@ -71,6 +73,7 @@ class GRPOTrainer:
             # 2. Generate and grade.
             with timer.time("generation_and_reward"):
                 batch, rollout_metrics = self._rollout(batch, greedy=False)
+                self.policy.finish_generation()
             rewards = batch["total_reward"]
 
             # 3. Advantages: group-relative, computed on the driver (cheap, [N]). A sample no reward
@@ -90,7 +93,16 @@ class GRPOTrainer:
             if cfg.grpo.overlong_filtering:
                 train_data["sample_mask"] *= (~batch["truncated"]).float()
             with timer.time("logprobs"):
-                train_data["prev_logprobs"] = self.policy.get_logprobs(train_data)["logprobs"]
+                reused = self.reuse_generation_logprobs()
+                if reused:
+                    # The sampler's own log-probs, from the same weights at the same precision: the
+                    # forward pass that would recompute them changes nothing but the time.
+                    train_data["prev_logprobs"] = train_data["generation_logprobs"]
+                else:
+                    lp = self.policy.get_logprobs(train_data)
+                    train_data["prev_logprobs"] = lp["logprobs"]
+                    if "padding_efficiency" in lp:
+                        logprob_eff = float(lp["padding_efficiency"].mean())
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
                     train_data["reference_policy_logprobs"] = self.policy.get_reference_policy_logprobs(
                         train_data)["reference_logprobs"]
@@ -123,7 +135,12 @@ class GRPOTrainer:
         if len(set(batch["task_name"])) > 1:
             metrics |= per_task_metrics(batch, "train")
         metrics |= {f"train/{k}": v for k, v in train_metrics.items()}
-        metrics |= {f"timing/{k}": v for k, v in timer.get_timing_metrics().items()}
+        if logprob_eff is not None:
+            metrics["train/logprob_padding_efficiency"] = logprob_eff
+        timings = timer.get_timing_metrics() | {"generation": rollout_metrics.get("generation_s", 0.0)}
+        metrics |= {f"timing/{k}": v for k, v in timings.items()}
+        metrics |= throughput_metrics(timings, train_data, batch, train_metrics)
+        metrics["train/prev_logprobs_reused"] = float(reused)
 
         if cfg.grpo.val_period and self.step_count % cfg.grpo.val_period == 0:
             metrics |= self.validate()
@@ -132,6 +149,20 @@ class GRPOTrainer:
         if self.checkpointer and self.step_count % cfg.checkpointing.save_period == 0:
             self.save_checkpoint(metrics)
         return metrics
+
+    def reuse_generation_logprobs(self) -> bool:
+        """Whether this step trusts the sampler's log-probs as the old policy's. They are the same
+        numbers when the sampler is the training model itself at the same precision (the in-worker
+        HF backend in float32): every update of the step starts from the weights that generated. Every
+        ``grpo.logprob_check_period`` steps they are recomputed anyway, so ``train/token_mult_prob_error``
+        keeps measuring the mismatch."""
+        g, p = self.config.grpo, self.config.policy
+        on = g.reuse_generation_logprobs
+        if on == "auto":
+            on = p.generation.backend == "hf" and p.precision == "float32"
+        if not on:
+            return False
+        return not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
 
     def _rollout(self, batch: BatchedDataDict, greedy: bool) -> tuple[BatchedDataDict, dict[str, float]]:
         return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs,

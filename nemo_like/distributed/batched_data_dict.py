@@ -223,6 +223,34 @@ class BatchedDataDict(dict):
                     mb[k] = v[:, :w]
             yield idx, mb
 
+    def make_token_budget_microbatch_iterator(
+        self, max_tokens: int, *, length_key: str = "input_lengths", seq_key: str = "input_ids"
+    ) -> Iterator[tuple[list[int], BatchedDataDict]]:
+        """Like ``make_length_sorted_microbatch_iterator``, but each micro-batch holds as many samples
+        as fit ``max_tokens`` computed tokens (samples x the micro-batch's longest): many short
+        samples per pass, few long ones, about the same work in each. A sample longer than the
+        budget is a ValueError (it could never fit)."""
+        _check_positive_int("max_tokens", max_tokens)
+        if length_key not in self or seq_key not in self:
+            raise KeyError(f"token-budget micro-batches need {length_key!r} and {seq_key!r}; have {sorted(self)}")
+        lengths = [int(n) for n in self[length_key]]
+        if lengths and max(lengths) > max_tokens:
+            raise ValueError(f"a sample of {max(lengths)} tokens is longer than the micro-batch token budget "
+                             f"{max_tokens}")
+        width = self[seq_key].shape[1]
+        order = sorted(range(self.size), key=lambda i: -lengths[i])
+        s = 0
+        while s < len(order):
+            w = max(lengths[order[s]], 1)  # the longest of this micro-batch (sorted, longest first)
+            n = max(1, max_tokens // w)
+            idx = order[s : s + n]
+            mb = self.select_indices(idx)
+            for k, v in list(mb.items()):
+                if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width:
+                    mb[k] = v[:, :w]
+            yield idx, mb
+            s += n
+
     # --- misc -------------------------------------------------------------------------------
     def to(self, device: torch.device | str) -> BatchedDataDict:
         """Move every tensor to ``device`` in place (lists untouched); returns self for chaining."""

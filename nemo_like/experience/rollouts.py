@@ -6,6 +6,7 @@ Single-turn generation is the one-turn case; environments are Ray actors reached
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import ray
@@ -120,6 +121,7 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     env_metrics: dict[str, list[float]] = {}
     active = list(range(n))
     eos = tokenizer.eos_token_id
+    generation_s = 0.0
     for _turn in range(max_turns):
         if not active:
             break
@@ -136,7 +138,9 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
         gen_in = BatchedDataDict(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
         if any(stop_strings[i] for i in active):
             gen_in["stop_strings"] = [stop_strings[i] for i in active]
+        t0 = time.perf_counter()
         gen = policy.generate(gen_in, greedy=greedy)
+        generation_s += time.perf_counter() - t0
         ended_eos = []
         for j, i in enumerate(active):
             start, end = int(flat["input_lengths"][j]), int(gen["unpadded_sequence_lengths"][j])
@@ -182,6 +186,7 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
         "truncation_rate": float(truncated.float().mean()) if n else 0.0,
         "turns_per_sample": float(turns.float().mean()) if n else 0.0,
         "unterminated_rate": float((~terminated).float().mean()) if n else 0.0,
+        "generation_s": generation_s,
     }
     # Counters ("num_*", "step_errors") add up over turns; rates and accuracies are averaged.
     for k, vs in env_metrics.items():

@@ -6,7 +6,9 @@ public method here is called on all workers at once with that worker's shard of 
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,9 @@ import torch.distributed as dist
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
+from nemo_like.models.policy.packing import (PackedBatch, build_packed, check_packing_supported, group_rows,
+                                             packed_token_logprobs, plan_rows, shared_prefix_lengths)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +44,65 @@ def _attention_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return (ar[None, :] < lengths[:, None].to(input_ids.device)).long()
 
 
+class _MicroBatch:
+    """Samples ``idx`` of a batch as one forward pass: right-padded (``packed`` None) or packed rows."""
+
+    def __init__(self, idx: list[int], data: BatchedDataDict, packed: PackedBatch | None):
+        self.idx, self.data, self.packed = idx, data, packed
+        lengths = data["input_lengths"]
+        self.tokens_real = packed.tokens_real if packed else int(lengths.sum())
+        self.tokens_computed = packed.tokens_computed if packed else int(lengths.numel() * data["input_ids"].shape[1])
+        self.sample_tokens = int(lengths.sum())
+
+
+def plan_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int) -> list[_MicroBatch]:
+    """How a batch is cut into forward passes: packed rows under a token budget, right-padded
+    micro-batches under a token budget (dynamic batching), or ``mb_size`` samples sorted by length."""
+    sp, db = cfg.sequence_packing, cfg.dynamic_batching
+    if sp.enabled:
+        ids, lengths = data["input_ids"], data["input_lengths"]
+        prefix = (shared_prefix_lengths(ids, data["token_mask"], lengths)
+                  if sp.share_prompt_prefix and "token_mask" in data else None)
+        rows = plan_rows(ids, lengths, cfg.packing_row_length, prefix)
+        out = []
+        for group in group_rows(rows, sp.max_tokens_per_microbatch):
+            packed = build_packed(ids, lengths, group)
+            mb = data.select_indices(packed.sample_idx)
+            mb = _cut_width(mb, packed.width)
+            out.append(_MicroBatch(packed.sample_idx, mb, packed))
+        return out
+    if db.enabled:
+        return [_MicroBatch(idx, mb, None) for idx, mb in data.make_token_budget_microbatch_iterator(
+            db.max_tokens_per_microbatch)]
+    return [_MicroBatch(idx, mb, None) for idx, mb in data.make_length_sorted_microbatch_iterator(mb_size)]
+
+
+def _cut_width(mb: BatchedDataDict, width: int) -> BatchedDataDict:
+    full = mb["input_ids"].shape[1]
+    for k, v in list(mb.items()):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full:
+            mb[k] = v[:, :width]
+    return mb
+
+
+def pick_device(use_cuda: bool) -> torch.device:
+    """The GPU this process was given. Ray narrows CUDA_VISIBLE_DEVICES to an actor's own GPU, which
+    is then device 0 of what it sees (LOCAL_RANK would point past it for every rank above 0); under
+    torchrun every GPU of the node is visible and LOCAL_RANK picks one."""
+    if not use_cuda:
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("cluster.gpus_per_worker > 0 but this worker sees no CUDA device "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return torch.device("cuda", 0 if n == 1 else int(os.environ.get("LOCAL_RANK", "0")) % n)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage: its shard under FSDP2 (a DTensor), itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class HFPolicyWorker:
     def __init__(self, config: PolicyConfig, *, seed: int = 0, init_reference_model: bool = True,
                  init_optimizer: bool = True):
@@ -49,8 +113,8 @@ class HFPolicyWorker:
         torch.set_num_threads(max(1, threads))
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        use_cuda = torch.cuda.is_available() and os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
+        self.device = pick_device(use_cuda)
         if use_cuda:
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
@@ -64,6 +128,8 @@ class HFPolicyWorker:
         model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32,
                                                      trust_remote_code=config.trust_remote_code)
         model.to(self.device)
+        if config.sequence_packing.enabled:
+            check_packing_supported(model)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
         # FSDP2 on one rank shards nothing but still pays for its hooks and DTensor optimizer steps
@@ -76,9 +142,11 @@ class HFPolicyWorker:
         # The reference policy is the initial weights; kept as a detached copy and swapped in for
         # reference logprobs (NeMo RL does the same) rather than a second model instance.
         self._reshard()
-        self.reference_params = (
-            {n: p.detach().clone() for n, p in self.model.named_parameters()} if init_reference_model else None
-        )
+        # On a GPU the reference copy lives in pinned host memory: it is only needed for the
+        # reference log-prob pass, and a second full set of weights in GPU memory would be waste.
+        self.reference_params = {n: self._stash(p) for n, p in self.model.named_parameters()} if (
+            init_reference_model) else None
+        self.num_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = self.scheduler = None
         if init_optimizer:
             o = config.optimizer
@@ -133,14 +201,36 @@ class HFPolicyWorker:
             self._reshard()
 
     # ---- log-probs ----------------------------------------------------------------------------
+    def _mb_logprobs(self, mb: _MicroBatch) -> torch.Tensor:
+        """[b, w] log-probs of the micro-batch's samples, in ``mb.idx`` order."""
+        temp = self.cfg.generation.temperature
+        if mb.packed is not None:
+            return packed_token_logprobs(self.model, mb.packed.to(self.device), temp)
+        ids = mb.data["input_ids"].to(self.device)
+        return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp)
+
+    def _synced_count(self, n: int) -> int:
+        """Micro-batches every rank runs: FSDP's collectives run in lock step, and token budgets can
+        give ranks different counts; a rank with fewer repeats a pass whose result it throws away."""
+        if not (dist.is_initialized() and self.world_size > 1):
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        temp = self.cfg.generation.temperature
         lp = torch.zeros_like(data["input_ids"], dtype=torch.float32)
-        for idx, mb in data.make_length_sorted_microbatch_iterator(self.cfg.logprob_batch_size):
-            ids = mb["input_ids"].to(self.device)
-            lp[idx, : ids.shape[1]] = token_logprobs(self.model, ids, _attention_mask(ids, mb["input_lengths"]), temp).cpu()
-        return BatchedDataDict(logprobs=lp)
+        mbs = plan_microbatches(data, self.cfg, self.cfg.logprob_batch_size)
+        real = computed = 0
+        for k in range(self._synced_count(len(mbs))):
+            mb = mbs[min(k, len(mbs) - 1)]
+            out = self._mb_logprobs(mb)
+            if k < len(mbs):
+                lp[mb.idx, : out.shape[1]] = out.float().cpu()
+                real, computed = real + mb.tokens_real, computed + mb.tokens_computed
+        self.last_logprob_padding_efficiency = real / max(computed, 1)
+        return BatchedDataDict(logprobs=lp, padding_efficiency=torch.full((data.size,), real / max(computed, 1)))
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if self.reference_params is None:
@@ -158,20 +248,24 @@ class HFPolicyWorker:
             if isinstance(m, FSDPModule):
                 m.reshard()
 
+    def _stash(self, p: torch.Tensor) -> torch.Tensor:
+        t = _local(p.detach()).clone()
+        return t.to("cpu").pin_memory() if self.device.type == "cuda" else t
+
     @contextmanager
     def _swap_in(self, params: dict[str, torch.Tensor]):
         self._reshard()
         current = dict(self.model.named_parameters())
-        saved = {n: p.detach().clone() for n, p in current.items()}
+        saved = {n: self._stash(p) for n, p in current.items()}
         with torch.no_grad():
             for n, p in current.items():
-                p.copy_(params[n])
+                _local(p).copy_(params[n], non_blocking=True)
         try:
             yield
         finally:
             with torch.no_grad():
                 for n, p in current.items():
-                    p.copy_(saved[n])
+                    _local(p).copy_(saved[n], non_blocking=True)
 
     # ---- training -----------------------------------------------------------------------------
     def train(self, data: BatchedDataDict, loss_fn: Any, global_batch_size: int | None = None,
@@ -179,12 +273,13 @@ class HFPolicyWorker:
         """`data` is this worker's shard; every global batch is split evenly over workers."""
         gbs = (global_batch_size or self.cfg.train_global_batch_size) // self.world_size
         mbs = micro_batch_size or self.cfg.train_micro_batch_size
-        temp = self.cfg.generation.temperature
         if gbs == 0 or data.size % gbs:
             raise ValueError(f"worker shard of {data.size} samples is not a multiple of the per-worker "
                              f"global batch {gbs} (policy.train_global_batch_size / world size)")
         self.model.train()
         all_metrics: list[dict[str, float]] = []
+        tok_real = tok_computed = 0
+        t_start = time.perf_counter()
         for gb_start in range(0, data.size, gbs):
             gb = data.slice(gb_start, gb_start + gbs)
             mask = gb["token_mask"].float() * gb["sample_mask"].float()[:, None]
@@ -196,15 +291,23 @@ class HFPolicyWorker:
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             weight_total = 0.0
-            # Micro-batches grouped by length, each padded only to its own longest sample. The loss
-            # is a share of global counts, so the gradient does not depend on the grouping.
-            for _, mb in gb.make_length_sorted_microbatch_iterator(mbs):
-                ids = mb["input_ids"].to(self.device)
-                lp = token_logprobs(self.model, ids, _attention_mask(ids, mb["input_lengths"]), temp)
-                mbd = mb.to(self.device)
+            # Micro-batches grouped by length (or packed rows), each as wide as its own longest
+            # sample. The loss is a share of global counts, so the gradient does not depend on the
+            # grouping.
+            plan = plan_microbatches(gb, self.cfg, mbs)
+            for k in range(self._synced_count(len(plan))):
+                item = plan[min(k, len(plan) - 1)]
+                lp = self._mb_logprobs(item)
+                mbd = item.data.copy().to(self.device)
                 loss, metrics = loss_fn(lp, mbd, global_seqs, global_toks)
+                if k >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
+                    (loss * 0.0).backward()
+                    continue
                 # FSDP averages gradients over ranks; the loss is already a share of the global sum.
                 (loss * self.world_size).backward()
+                tok_real += item.tokens_real
+                tok_computed += item.tokens_computed
+                mb = item.data
                 w = float((mb["token_mask"].float() * mb["sample_mask"].float()[:, None]).sum())
                 weight_total += w
                 for k, v in metrics.items():
@@ -217,7 +320,37 @@ class HFPolicyWorker:
             self.scheduler.step()
             all_metrics.append(self._reduce_metrics(sums, weight_total) | {
                 "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]})
-        return _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics))}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t_start
+        perf = self._perf_metrics(data, elapsed)
+        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0)], dtype=torch.float64)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(eff)
+        out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
+                                          "padding_efficiency": float(eff[0] / eff[1].clamp(min=1)),
+                                          "peak_memory_gb": perf["peak_memory_gb"]}
+        if "mfu" in perf:
+            out["mfu"] = float(eff[2]) / self.world_size
+        return out
+
+    def _perf_metrics(self, data: BatchedDataDict, elapsed: float) -> dict[str, float]:
+        """This rank's peak memory and, on a GPU of known peak, its model FLOPs utilisation."""
+        out = {"peak_memory_gb": peak_memory_gb(self.device)}
+        peak = device_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        lengths = data["input_lengths"].double()
+        if peak and elapsed > 0 and lengths.numel():
+            # Causal attention: a token attends to half its sequence on average (sum n^2 / 2 / sum n).
+            context = float((lengths ** 2).sum() / 2 / lengths.sum())
+            flops = training_flops_per_token(self.model.config, self.num_params, context) * float(lengths.sum())
+            out["mfu"] = flops / elapsed / peak
+        return out
+
+    def release_generation_memory(self) -> None:
+        """After generation: return the KV cache's blocks to the device before training."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -54,6 +54,31 @@ class SchedulerConfig(BaseModel):
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
+class SequencePackingConfig(BaseModel):
+    """Training and log-prob passes on packed rows (samples end to end, attention confined to each)
+    instead of right-padded micro-batches of a fixed sample count."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    # Tokens computed per forward pass (rows x row width, padding included).
+    max_tokens_per_microbatch: int = Field(4096, gt=0)
+    # Tokens per packed row; None: min(max_tokens_per_microbatch, 4 x max_total_sequence_length). A
+    # custom mask costs attention over the whole row, so short rows of several samples are cheap
+    # where one long row would not be (no varlen kernel on CPU).
+    row_length: int | None = Field(None, gt=0)
+    # The G completions of a prompt share its tokens: the prompt is computed once per row, each
+    # completion attending to it (same log-probs and gradients, fewer tokens).
+    share_prompt_prefix: bool = True
+
+
+class DynamicBatchingConfig(BaseModel):
+    """Micro-batches cut by a token budget (samples x their longest) instead of a sample count."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    max_tokens_per_microbatch: int = Field(4096, gt=0)
+
+
 class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,6 +100,30 @@ class PolicyConfig(BaseModel):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+
+    @property
+    def packing_row_length(self) -> int:
+        sp = self.sequence_packing
+        return sp.row_length or min(sp.max_tokens_per_microbatch, 4 * self.max_total_sequence_length)
+
+    @model_validator(mode="after")
+    def _token_budgets_fit(self) -> "PolicyConfig":
+        sp, db, longest = self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length
+        if sp.enabled and db.enabled:
+            raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are both true; "
+                             "packing already cuts micro-batches by tokens: enable one of them")
+        for key, on, budget in (("sequence_packing.max_tokens_per_microbatch", sp.enabled, sp.max_tokens_per_microbatch),
+                                ("sequence_packing.row_length", sp.enabled, sp.row_length),
+                                ("dynamic_batching.max_tokens_per_microbatch", db.enabled, db.max_tokens_per_microbatch)):
+            if on and budget is not None and budget < longest:
+                raise ValueError(f"policy.{key} ({budget}) is smaller than the longest sample, "
+                                 f"policy.max_total_sequence_length ({longest}); raise it to at least {longest}")
+        if sp.enabled and sp.row_length and sp.row_length > sp.max_tokens_per_microbatch:
+            raise ValueError(f"policy.sequence_packing.row_length ({sp.row_length}) is larger than "
+                             f"policy.sequence_packing.max_tokens_per_microbatch ({sp.max_tokens_per_microbatch})")
+        return self
 
     @model_validator(mode="after")
     def _micro_fits_global(self) -> "PolicyConfig":

@@ -25,7 +25,8 @@ class Policy(PolicyInterface, GenerationInterface):
                 "implemented; vLLM is planned for GPU runs")
         self.cfg = config
         self.cluster = cluster
-        env = {"NEMO_LIKE_USE_GPU": "1" if getattr(cluster, "gpus_per_worker", 0) else "0"}
+        self._on_gpu = bool(getattr(cluster, "gpus_per_worker", 0))
+        env = {"NEMO_LIKE_USE_GPU": "1" if self._on_gpu else "0"}
         if os.environ.get("HF_HUB_OFFLINE"):
             env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
         self.worker_group = RayWorkerGroup(
@@ -53,13 +54,17 @@ class Policy(PolicyInterface, GenerationInterface):
         sub = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "stop_strings") if k in data})
         return self._run_sharded("generate", sub, greedy=greedy)
 
+    @staticmethod
+    def _logprob_inputs(data: BatchedDataDict) -> BatchedDataDict:
+        # token_mask travels only to mark each sample's prompt, which packing computes once per group.
+        return BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "token_mask") if k in data})
+
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        return self._run_sharded("get_logprobs", sub)
+        """``logprobs`` [B, T] and ``padding_efficiency`` [B] (the worker's real / computed tokens)."""
+        return self._run_sharded("get_logprobs", self._logprob_inputs(data))
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        return self._run_sharded("get_reference_policy_logprobs", sub)
+        return self._run_sharded("get_reference_policy_logprobs", self._logprob_inputs(data))
 
     def train(self, data: BatchedDataDict, loss_fn: Any, global_batch_size: int | None = None,
               micro_batch_size: int | None = None) -> dict[str, float]:
@@ -76,6 +81,12 @@ class Policy(PolicyInterface, GenerationInterface):
             micro_batch_size=micro_batch_size)
         # Metrics are already reduced over workers inside train(); rank 0 reports them.
         return self.worker_group.get_all_worker_results(refs)[0]
+
+    def finish_generation(self) -> None:
+        if not self._on_gpu:  # nothing to release on a CPU: skip the round trip
+            return
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("release_generation_memory"))
 
     def save_checkpoint(self, path: str) -> None:
         self.worker_group.get_all_worker_results(

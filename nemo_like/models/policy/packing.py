@@ -1,0 +1,250 @@
+"""Sequence packing for the training and log-prob passes.
+
+A right-padded batch pays for its widest sample in every row. Packing lays samples end to end in
+rows of a bounded length instead, each with its own position ids and attention confined to itself
+by a block-diagonal causal mask, so the tokens computed are (nearly) the tokens that exist.
+
+GRPO adds a second saving: the G completions of one prompt share that prompt token for token. With
+``share_prefix`` a group is laid out as ``prompt, completion_1, ..., completion_G`` in one row,
+each completion attending to the prompt and to itself (a tree mask), with positions continuing from
+the prompt's end. Every completion token sees exactly the keys and values it would see unpacked, so
+the log-probs and the gradient are the same computation; the prompt is computed once, not G times.
+
+Log-probs come back in the caller's ``[B, T]`` layout (``logprobs[i, t] = log p(x_t | x_<t)``,
+position 0 is 0), so losses never see the packing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Attention implementations that honour a custom 4-D mask (HF passes a 4-D mask through untouched).
+MASK_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class _Unit:
+    """What must stay in one row: a sample, or a shared prompt with the completions that follow it."""
+
+    prefix_len: int  # 0: no shared prefix; the unit is one whole sample
+    members: list[int]  # sample indices
+    size: int  # tokens it occupies in a row
+
+
+@dataclass
+class PackedBatch:
+    """Rows ready for one forward pass, and where each sample's predictions are in them."""
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    unit_ids: torch.Tensor  # [R, L] which unit a position belongs to (-1: padding)
+    segment_ids: torch.Tensor  # [R, L] 0: a unit's shared prefix (or whole sample), k >= 1: its k-th completion
+    sample_idx: list[int]  # the samples in these rows, in the order of the [b, T] outputs
+    src_row: torch.Tensor  # [b, T] row of the logits that predict token t of sample i
+    src_col: torch.Tensor  # [b, T] column of those logits
+    targets: torch.Tensor  # [b, T] token t of sample i (0 where invalid)
+    valid: torch.Tensor  # [b, T] True for 1 <= t < length
+    width: int  # T: the widest of these samples
+
+    @property
+    def tokens_computed(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def tokens_real(self) -> int:
+        return int((self.unit_ids >= 0).sum())
+
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """[R, 1, L, L]: query j sees key k of the same unit at or before j, if k is the shared
+        prefix or k is in j's own segment. Padding sees itself only (no all-masked softmax rows)."""
+        u, s = self.unit_ids, self.segment_ids
+        L = u.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=u.device).tril()
+        same_unit = (u[:, :, None] == u[:, None, :]) & (u[:, :, None] >= 0)
+        same_seg = (s[:, None, :] == 0) | (s[:, :, None] == s[:, None, :])
+        eye = torch.eye(L, dtype=torch.bool, device=u.device)
+        mask = ((same_unit & same_seg & causal) | eye)[:, None]
+        if attn_implementation == "sdpa":
+            return mask
+        if attn_implementation == "eager":  # HF's eager attention adds the mask to the scores
+            return torch.zeros(mask.shape, dtype=dtype, device=u.device).masked_fill(~mask, torch.finfo(dtype).min)
+        raise ValueError(f"attention implementation {attn_implementation!r} cannot take a packed mask "
+                         f"(supported: {', '.join(MASK_ATTENTION)})")
+
+    def to(self, device: torch.device) -> PackedBatch:
+        for k in ("input_ids", "position_ids", "unit_ids", "segment_ids", "src_row", "src_col", "targets", "valid"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
+
+def shared_prefix_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Tokens before each sample's first loss token (its prompt); 0 where it has none to share."""
+    has = token_mask.bool().any(dim=1)
+    first = token_mask.bool().float().argmax(dim=1)
+    return torch.where(has & (first < lengths), first, torch.zeros_like(first))
+
+
+def _units(input_ids: torch.Tensor, lengths: list[int], prefix_lens: list[int] | None, row_length: int) -> list[_Unit]:
+    if prefix_lens is None:
+        return [_Unit(0, [i], n) for i, n in enumerate(lengths)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    alone: list[int] = []
+    for i, (n, p) in enumerate(zip(lengths, prefix_lens)):
+        if 0 < p < n:
+            groups.setdefault(tuple(input_ids[i, :p].tolist()), []).append(i)
+        else:
+            alone.append(i)
+    units = [_Unit(0, [i], lengths[i]) for i in alone]
+    for key, members in groups.items():
+        p = len(key)
+        if len(members) == 1:
+            units.append(_Unit(0, members, lengths[members[0]]))
+            continue
+        # A group longer than a row is split into sub-groups, each with its own copy of the prompt.
+        cur: list[int] = []
+        size = p
+        for i in members:
+            extra = lengths[i] - p
+            if cur and size + extra > row_length:
+                units.append(_Unit(p, cur, size) if len(cur) > 1 else _Unit(0, cur, lengths[cur[0]]))
+                cur, size = [], p
+            cur.append(i)
+            size += extra
+        units.append(_Unit(p, cur, size) if len(cur) > 1 else _Unit(0, cur, lengths[cur[0]]))
+    return units
+
+
+def plan_rows(input_ids: torch.Tensor, lengths: torch.Tensor, row_length: int,
+              prefix_lens: torch.Tensor | None = None) -> list[list[_Unit]]:
+    """First-fit decreasing of units into rows of at most ``row_length`` tokens."""
+    lens = [int(n) for n in lengths]
+    if lens and max(lens) > row_length:
+        raise ValueError(f"a sample of {max(lens)} tokens does not fit a packed row of {row_length} tokens "
+                         "(policy.sequence_packing.max_tokens_per_microbatch / row_length must be at least "
+                         "policy.max_total_sequence_length)")
+    units = _units(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens], row_length)
+    units.sort(key=lambda u: -u.size)
+    rows: list[list[_Unit]] = []
+    free: list[int] = []
+    for u in units:
+        for r, room in enumerate(free):
+            if u.size <= room:
+                rows[r].append(u)
+                free[r] -= u.size
+                break
+        else:
+            rows.append([u])
+            free.append(row_length - u.size)
+    return rows
+
+
+def group_rows(rows: list[list[_Unit]], max_tokens: int) -> list[list[list[_Unit]]]:
+    """Consecutive rows (longest first) into micro-batches of at most ``max_tokens`` computed tokens
+    (rows x the widest row); a row is never split."""
+    sized = sorted(rows, key=lambda r: -sum(u.size for u in r))
+    out: list[list[list[_Unit]]] = []
+    for row in sized:
+        if out and (len(out[-1]) + 1) * sum(u.size for u in out[-1][0]) <= max_tokens:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def build_packed(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[list[_Unit]]) -> PackedBatch:
+    """Lay ``rows`` out as tensors; ``input_ids`` is the caller's right-padded [B, T] batch."""
+    width_rows = max(sum(u.size for u in r) for r in rows)
+    R = len(rows)
+    ids = torch.zeros((R, width_rows), dtype=input_ids.dtype)
+    pos = torch.zeros((R, width_rows), dtype=torch.long)
+    uid = torch.full((R, width_rows), -1, dtype=torch.long)
+    seg = torch.zeros((R, width_rows), dtype=torch.long)
+    sample_idx = [i for r in rows for u in r for i in u.members]
+    local = {i: k for k, i in enumerate(sample_idx)}
+    T = max(int(lengths[i]) for i in sample_idx)
+    src_row = torch.zeros((len(sample_idx), T), dtype=torch.long)
+    src_col = torch.zeros((len(sample_idx), T), dtype=torch.long)
+    n_unit = 0
+    for r, row in enumerate(rows):
+        off = 0
+        for u in row:
+            p = u.prefix_len
+            if p:
+                ids[r, off : off + p] = input_ids[u.members[0], :p]
+                pos[r, off : off + p] = torch.arange(p)
+                uid[r, off : off + p] = n_unit
+                prefix_at = off
+                off += p
+            for k, i in enumerate(u.members, start=1):
+                n = int(lengths[i])
+                ids[r, off : off + n - p] = input_ids[i, p:n]
+                pos[r, off : off + n - p] = torch.arange(p, n)
+                uid[r, off : off + n - p] = n_unit
+                seg[r, off : off + n - p] = k if p else 0
+                # Token t is predicted at the position of token t-1: in the prefix, or in its own part.
+                t_prev = torch.arange(n - 1)
+                col = torch.where(t_prev < p, (prefix_at if p else 0) + t_prev, off + t_prev - p)
+                src_row[local[i], 1:n] = r
+                src_col[local[i], 1:n] = col
+                off += n - p
+            n_unit += 1
+    sub = input_ids[sample_idx, :T]
+    valid = torch.arange(T)[None, :].expand(len(sample_idx), T) < lengths[sample_idx][:, None]
+    valid[:, 0] = False
+    targets = torch.where(valid, sub, torch.zeros_like(sub))
+    return PackedBatch(ids, pos, uid, seg, sample_idx, src_row, src_col, targets, valid, T)
+
+
+def packed_token_logprobs(model, packed: PackedBatch, temperature: float) -> torch.Tensor:
+    """[b, T] log-probs of each sample's tokens (0 at position 0 and past its length), computed from
+    the packed rows in one forward pass."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    dtype = next(model.parameters()).dtype
+    mask = packed.attention_mask(impl, dtype)
+    logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                   use_cache=False).logits
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # One logsumexp per packed position (a shared prompt's once), then a gather per sample token.
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits[packed.src_row, packed.src_col, packed.targets] - lse[packed.src_row, packed.src_col]
+    return torch.where(packed.valid, picked, torch.zeros_like(picked))
+
+
+def check_packing_supported(model) -> None:
+    """Refuse packing on a model whose attention ignores the packed mask: its log-probs would be
+    silently wrong. Checked by construction (the attention implementation) and by a probe: two
+    short sequences packed must give the log-probs they give one by one."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl not in MASK_ATTENTION:
+        raise ValueError(f"policy.sequence_packing.enabled: the model's attention implementation {impl!r} cannot "
+                         f"confine packed sequences here (supported: {', '.join(MASK_ATTENTION)}); load it with "
+                         "attn_implementation='sdpa' or turn packing off")
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 6), generator=g)
+    lengths = torch.tensor([6, 4])
+    prefix = torch.tensor([2, 2])
+    ids[1, :2] = ids[0, :2]  # a shared two-token prompt
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = build_packed(ids, lengths, plan_rows(ids, lengths, 16, prefix)).to(device)
+            got = packed_token_logprobs(model, packed, 1.0).cpu()
+            ref = torch.zeros_like(got)
+            for k, i in enumerate(packed.sample_idx):
+                n = int(lengths[i])
+                x = ids[i : i + 1, :n].to(device)
+                lg = model(input_ids=x, use_cache=False).logits.float()[0, :-1]
+                ref[k, 1:n] = (lg.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]).cpu()
+    finally:
+        model.train(was_training)
+    err = float((got - ref).abs().max())
+    if not err < 1e-4:  # float32 (the probe runs on the fp32 master weights, before sharding)
+        raise ValueError(f"policy.sequence_packing.enabled: this model's attention does not confine packed "
+                         f"sequences (packed log-probs differ from unpacked by {err:.3g}); turn packing off")

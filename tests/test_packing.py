@@ -1,0 +1,185 @@
+"""Sequence packing and token-budget micro-batches: the same log-probs, loss and gradients as the
+right-padded path, on the tiny char Llama and on a random model of the SmolLM2/Qwen2 shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.policy import PolicyConfig
+from nemo_like.models.policy.hf_worker import _attention_mask, plan_microbatches, token_logprobs
+from nemo_like.models.policy.packing import (build_packed, check_packing_supported, group_rows,
+                                             packed_token_logprobs, plan_rows, shared_prefix_lengths)
+from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
+
+
+def _qwen2(impl: str = "sdpa"):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      attn_implementation=impl)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def _smollm2_shape(impl: str = "sdpa"):
+    # SmolLM2-135M is a Llama: GQA (9 query / 3 kv heads), tied embeddings; scaled down here.
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=72, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                      attn_implementation=impl)
+    return LlamaForCausalLM(cfg).float()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_pack")
+    tok = build_char_tokenizer(d)
+    return build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, seed=0).float()
+
+
+def _grpo_batch(vocab: int, groups: int = 3, G: int = 4, prompt: int = 6, T: int = 22, seed: int = 0):
+    """``groups`` prompts x G completions of random lengths; loss on the completion tokens."""
+    g = torch.Generator().manual_seed(seed)
+    B = groups * G
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    lengths = torch.randint(prompt + 1, T + 1, (B,), generator=g)
+    for k in range(groups):
+        ids[k * G : (k + 1) * G, :prompt] = ids[k * G, :prompt]
+    token_mask = torch.zeros(B, T, dtype=torch.long)
+    for i in range(B):
+        token_mask[i, prompt : lengths[i]] = 1
+        ids[i, lengths[i]:] = 0
+    return ids, lengths, token_mask
+
+
+def _models():
+    return [("qwen2-sdpa", _qwen2("sdpa")), ("qwen2-eager", _qwen2("eager")), ("smollm2-shape", _smollm2_shape())]
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("row_length,max_tokens", [(30, 30), (48, 96), (200, 200)])
+def test_packed_logprobs_equal_unpadded(share, row_length, max_tokens, tiny):
+    for name, model in _models() + [("tiny-char-llama", tiny)]:
+        ids, lengths, tm = _grpo_batch(model.config.vocab_size)
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, _attention_mask(ids, lengths), 1.0)
+            prefix = shared_prefix_lengths(ids, tm, lengths) if share else None
+            seen = torch.zeros(ids.shape[0], dtype=torch.bool)
+            for rows in group_rows(plan_rows(ids, lengths, row_length, prefix), max_tokens):
+                packed = build_packed(ids, lengths, rows)
+                assert packed.tokens_computed <= max_tokens
+                lp = packed_token_logprobs(model, packed, 1.0)
+                want = ref[packed.sample_idx, : packed.width] * packed.valid
+                assert (lp - want).abs().max() < 1e-5, (name, share, row_length)
+                seen[packed.sample_idx] = True
+        assert seen.all()
+
+
+def test_shared_prefix_computes_each_prompt_once():
+    ids, lengths, tm = _grpo_batch(512, groups=2, G=4, prompt=6)
+    plain = build_packed(ids, lengths, plan_rows(ids, lengths, 200))
+    shared = build_packed(ids, lengths, plan_rows(ids, lengths, 200, shared_prefix_lengths(ids, tm, lengths)))
+    assert plain.tokens_real == int(lengths.sum())
+    # Two prompts of 6 tokens, each computed once instead of four times.
+    assert shared.tokens_real == int(lengths.sum()) - 2 * 3 * 6
+
+
+def test_packed_loss_and_gradients_equal_unpadded():
+    model = _qwen2()
+    ids, lengths, tm = _grpo_batch(512, groups=2, G=4)
+    B, T = ids.shape
+    g = torch.Generator().manual_seed(3)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm, sample_mask=torch.ones(B),
+                           advantages=torch.randn(B, generator=g))
+    with torch.no_grad():
+        old = token_logprobs(model, ids, _attention_mask(ids, lengths), 1.0)
+    data["prev_logprobs"] = old + 0.01 * torch.randn(B, T, generator=g)
+    data["generation_logprobs"] = data["prev_logprobs"]
+    data["reference_policy_logprobs"] = old
+    loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
+    toks, seqs = float(tm.sum()), float(B)
+
+    def grads(packing: bool):
+        model.zero_grad()
+        cfg = PolicyConfig(model_name="x", max_total_sequence_length=T, train_global_batch_size=B,
+                           train_micro_batch_size=B, sequence_packing={"enabled": packing,
+                                                                       "max_tokens_per_microbatch": 64})
+        total = 0.0
+        for mb in plan_microbatches(data, cfg, B):
+            lp = (packed_token_logprobs(model, mb.packed, 1.0) if mb.packed is not None else
+                  token_logprobs(model, mb.data["input_ids"], _attention_mask(mb.data["input_ids"], mb.data["input_lengths"]), 1.0))
+            loss, _ = loss_fn(lp, mb.data, seqs, toks)
+            loss.backward()
+            total += float(loss.detach())
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_a, g_a = grads(False)
+    loss_b, g_b = grads(True)
+    assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-7)
+    for n in g_a:
+        assert torch.allclose(g_a[n], g_b[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_token_budget_microbatches_fit_the_budget_and_cover_the_batch():
+    ids, lengths, tm = _grpo_batch(512, groups=4, G=4, T=30)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
+    seen = []
+    for idx, mb in data.make_token_budget_microbatch_iterator(64):
+        assert mb["input_ids"].numel() <= 64 or len(idx) == 1
+        assert mb["input_ids"].shape[1] == int(lengths[idx].max())
+        assert torch.equal(mb["input_ids"], ids[idx, : mb["input_ids"].shape[1]])
+        seen += idx
+    assert sorted(seen) == list(range(16))
+    with pytest.raises(ValueError, match="longer than the micro-batch token budget"):
+        next(data.make_token_budget_microbatch_iterator(8))
+
+
+def test_padding_efficiency_rises_with_packing():
+    ids, lengths, tm = _grpo_batch(512, groups=4, G=4, T=40)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
+    base = dict(model_name="x", max_total_sequence_length=40, train_global_batch_size=16, train_micro_batch_size=16)
+
+    def eff(cfg):
+        mbs = plan_microbatches(data, PolicyConfig(**cfg), 16)
+        return sum(m.tokens_real for m in mbs) / sum(m.tokens_computed for m in mbs)
+
+    padded = eff(base)
+    packed = eff(base | {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 160,
+                                              "share_prompt_prefix": False}})
+    # One micro-batch comes back as given: as wide as the batch.
+    assert padded == pytest.approx(float(lengths.sum()) / ids.numel())
+    assert packed > 0.9 > padded
+
+
+def test_budget_smaller_than_longest_sample_is_a_config_error():
+    with pytest.raises(ValueError, match=r"policy.sequence_packing.max_tokens_per_microbatch \(32\) is smaller than the longest"):
+        PolicyConfig(model_name="x", max_total_sequence_length=48, sequence_packing={"enabled": True, "max_tokens_per_microbatch": 32})
+    with pytest.raises(ValueError, match=r"policy.dynamic_batching.max_tokens_per_microbatch \(16\)"):
+        PolicyConfig(model_name="x", max_total_sequence_length=48, dynamic_batching={"enabled": True, "max_tokens_per_microbatch": 16})
+    with pytest.raises(ValueError, match="enable one of them"):
+        PolicyConfig(model_name="x", sequence_packing={"enabled": True}, dynamic_batching={"enabled": True})
+    # Off, a small budget is nobody's business.
+    PolicyConfig(model_name="x", max_total_sequence_length=48, sequence_packing={"max_tokens_per_microbatch": 32})
+    ids = torch.zeros(1, 50, dtype=torch.long)
+    with pytest.raises(ValueError, match="does not fit a packed row"):
+        plan_rows(ids, torch.tensor([50]), 40)
+
+
+def test_packing_refused_on_attention_that_cannot_confine_sequences():
+    flash = _qwen2()
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="'flash_attention_2' cannot confine packed sequences"):
+        check_packing_supported(flash)
+
+    class IgnoresMask(Qwen2ForCausalLM):
+        # An injected fault: attention that silently drops the mask it is given.
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
+            return super().forward(input_ids=input_ids, **kw)
+
+    leaky = IgnoresMask(_qwen2().config)
+    with pytest.raises(ValueError, match="does not confine packed sequences"):
+        check_packing_supported(leaky)
+    check_packing_supported(_qwen2())  # a model that does confine them passes

@@ -1,0 +1,98 @@
+"""Packing and dynamic batching through the real Policy: two FSDP2/gloo ranks in a local Ray
+cluster must make the same update as the right-padded path, also when token budgets give the
+ranks different numbers of micro-batches (they must still run in lock step)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
+from nemo_like.models.policy import PolicyConfig
+from nemo_like.models.policy.lm_policy import Policy
+from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_pp")
+    tok = build_char_tokenizer(d)
+    build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, seed=0, save_dir=d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = init_ray(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="nl_pack_", dir="/tmp"))
+    c = RayVirtualCluster(2, cpus_per_worker=1, name="pack")
+    yield c
+    c.shutdown()
+    if started:
+        ray.shutdown()
+
+
+def _batch(tok) -> BatchedDataDict:
+    """4 prompts x 4 completions. Rank 0's half (the first 8) is long, rank 1's short, so token
+    budgets cut rank 0's shard into more micro-batches than rank 1's."""
+    prompts = ["What is 12+34? ", "Add 40 and 2: ", "Sum 5+5 then ", "9+9 equals "]
+    tails = [["46, since 12+34=46 exactly", "46 (twelve plus 34)", "forty six: 46 ok", "it is 46 46 46"],
+             ["42 is the answer here", "42, forty-two indeed", "it makes 42 of them", "42 42 and 42 42"],
+             ["10", "ten", "1+9", "10!"], ["18", "19", "x", "18."]]
+    texts = [(p, t) for p, ts in zip(prompts, tails) for t in ts]
+    rows = [tok(p + t, add_special_tokens=False)["input_ids"] for p, t in texts]
+    plen = [len(tok(p, add_special_tokens=False)["input_ids"]) for p, _ in texts]
+    T = max(len(r) for r in rows)
+    ids = torch.full((16, T), tok.pad_token_id)
+    mask = torch.zeros(16, T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, plen[i] : len(r)] = 1
+    lengths = torch.tensor([len(r) for r in rows])
+    g = torch.Generator().manual_seed(0)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=mask, sample_mask=torch.ones(16),
+                           advantages=torch.randn(16, generator=g))
+    return data
+
+
+def _run(cluster, model_dir, data, name, **kw):
+    cfg = PolicyConfig(model_name=model_dir, train_global_batch_size=16, train_micro_batch_size=2,
+                       logprob_batch_size=3, max_total_sequence_length=48, optimizer={"lr": 1e-2},
+                       generation={"max_new_tokens": 4}, **kw)
+    p = Policy(cluster, cfg, seed=0, init_reference_model=False, name_prefix=name)
+    try:
+        before = p.get_logprobs(data)
+        d = data.copy()
+        d["prev_logprobs"] = d["generation_logprobs"] = d["reference_policy_logprobs"] = before["logprobs"]
+        metrics = p.train(d, ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}))
+        after = p.get_logprobs(data)
+    finally:
+        p.shutdown()
+    return before, metrics, after
+
+
+def test_packed_and_dynamic_batches_make_the_same_update_on_two_ranks(cluster, model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = _batch(tok)
+    am = data["token_mask"].bool()
+    ref_before, ref_m, ref_after = _run(cluster, model_dir, data, "padded")
+    variants = {
+        "packed": {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 96, "row_length": 48}},
+        "packed-noshare": {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 96, "row_length": 48,
+                                                "share_prompt_prefix": False}},
+        "dynamic": {"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 64}},
+    }
+    for name, kw in variants.items():
+        before, m, after = _run(cluster, model_dir, data, name, **kw)
+        assert torch.allclose(before["logprobs"][am], ref_before["logprobs"][am], atol=1e-5), name
+        assert m["loss"] == pytest.approx(ref_m["loss"], rel=1e-5, abs=1e-7), name
+        assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), name
+        assert torch.allclose(after["logprobs"][am], ref_after["logprobs"][am], atol=1e-4), name
+        assert 0.9 < m["padding_efficiency"] <= 1.0, name
+        assert 0 < float(before["padding_efficiency"].mean()) <= 1.0
+    assert ref_m["peak_memory_gb"] > 0
