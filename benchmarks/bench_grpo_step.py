@@ -46,6 +46,11 @@ def main(argv: list[str]) -> int:
     for k in phases:
         vals = [r[k] for r in rows if k in r]
         print(f"| {k:<32} | {statistics.mean(vals):8.3f} | {max(vals):8.3f} |")
+    for k in ("train/padding_efficiency", "train/logprob_padding_efficiency", "perf/generation_tokens_per_s",
+              "perf/logprob_tokens_per_s", "perf/train_tokens_per_s", "perf/peak_memory_gb", "perf/mfu"):
+        vals = [r[k] for r in rows if k in r]
+        if vals:
+            print(f"| {k:<32} | {statistics.mean(vals):8.3f} | {max(vals):8.3f} |")
     gen_tokens = [r["train/response_length_mean"] * r["train/num_samples"] for r in rows]
     gen_s = [r["timing/generation_and_reward"] for r in rows]
     print(f"| {'generated tokens / s (gen+reward)':<32} | {sum(gen_tokens) / sum(gen_s):8.0f} | {'':>8} |")

@@ -79,7 +79,7 @@ def ensure_base_model(cfg: MasterConfig) -> str:
 def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
     from nemo_like.algorithms.sft import sft_train
     from nemo_like.data.datasets import load_dataset_from_config
-    from nemo_like.models.policy.interfaces import SchedulerConfig
+    from nemo_like.models.policy.interfaces import DynamicBatchingConfig, SchedulerConfig, SequencePackingConfig
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
@@ -104,6 +104,9 @@ def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
         "model_name": str(tmp), "tokenizer_name": str(tmp), "train_global_batch_size": s.batch_size,
         "train_micro_batch_size": min(s.micro_batch_size, s.batch_size),
         "optimizer": cfg.policy.optimizer.model_copy(update={"lr": s.lr}),
+        # The base model is built by the recipe its cache key names: the GRPO run's packing or
+        # token budgets (same update, other rounding) must not change it.
+        "sequence_packing": SequencePackingConfig(), "dynamic_batching": DynamicBatchingConfig(),
         "scheduler": SchedulerConfig(warmup_steps=s.warmup_steps, decay=s.lr_decay if s.num_steps > s.warmup_steps else "constant",
                                      total_steps=s.num_steps or None)})
     policy = Policy(cluster, policy_cfg, seed=b.seed, init_reference_model=False, name_prefix="sft")

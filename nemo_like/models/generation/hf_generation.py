@@ -82,6 +82,8 @@ def hf_generate(
             kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0)
         if stop_strings:
             kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
+        if cfg.share_prompt_prefill and left.shape[1] > 1:
+            kwargs["past_key_values"] = _shared_prefill(model, left, attn, device)
         out = model.generate(**kwargs)
         gen = out.sequences[:, left.shape[1] :].cpu()
         # Log-probs of the sampled tokens under the distribution we sampled from (temperature
@@ -92,6 +94,28 @@ def hf_generate(
         lp = torch.gather(logits.log_softmax(-1), 2, gen.unsqueeze(-1)).squeeze(-1)
         results.append(_to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings, budget))
     return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": pad_id})
+
+
+def _shared_prefill(model, left: torch.Tensor, attn: torch.Tensor, device: torch.device):
+    """A KV cache of every prompt but its last token, computed once per distinct prompt.
+
+    GRPO repeats each prompt G times; HF `generate` would encode every copy. Here the distinct rows
+    are encoded once and the cache rows copied to their repeats; `generate` then feeds only the last
+    prompt token (it skips what the cache already holds), so outputs and log-probs are those of the
+    plain call (same sampled tokens under the same seed, measured), with 1/G of the prefill work.
+    """
+    from transformers import DynamicCache
+
+    uniq, inv = torch.unique(torch.cat([left, attn], dim=1), dim=0, return_inverse=True)
+    width = left.shape[1]
+    u_ids, u_attn = uniq[:, :width], uniq[:, width:]
+    ids, mask = u_ids[:, :-1].to(device), u_attn[:, :-1].to(device)
+    # The positions `generate` gives left-padded prompts (count of real tokens so far).
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    cache.batch_select_indices(inv.to(device))
+    return cache
 
 
 def _to_right_padded(ids, lens, gen, lp, eos_id, pad_id, tokenizer, stop_strings, budgets):

@@ -20,6 +20,8 @@ class GenerationConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
     stop_strings: list[str] | None = None
+    # Encode each distinct prompt once and share its KV cache with its repeats (GRPO's G samples).
+    share_prompt_prefill: bool = True
 
 
 class GenerationInterface(abc.ABC):
