@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig
 from nemo_like.data.datasets import DatasetConfig
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
 
@@ -183,6 +184,12 @@ class MasterConfig(_Strict):
                 f"checkpointing.save_period ({self.checkpointing.save_period}) must be a multiple of "
                 f"grpo.val_period ({self.grpo.val_period}) to rank checkpoints by "
                 f"{self.checkpointing.metric_name}")
+        if self.bootstrap is None or not self.bootstrap.enabled:
+            # A missing, corrupt or unsupported model file fails here, before Ray starts.
+            for key in ("model_name", "tokenizer_name"):
+                name = getattr(p, key)
+                if name:
+                    check_model_source(name, key=f"policy.{key}")
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]

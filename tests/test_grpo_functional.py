@@ -57,8 +57,14 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
             # The sampler's log-probs and the trainer's agree: HF generation and the training
             # forward pass run on the same sharded weights.
             assert abs(m["train/token_mult_prob_error"] - 1.0) < 0.02
-            for phase in ("generation_and_reward", "logprobs", "train"):
+            for phase in ("generation_and_reward", "generation", "logprobs", "train"):
                 assert m[f"timing/{phase}"] > 0
+            assert 0 < m["train/padding_efficiency"] <= 1 and m["perf/train_tokens_per_s"] > 0
+            assert m["perf/peak_memory_gb"] > 0 and "perf/mfu" not in m  # no MFU on a CPU
+        # float32 in-worker sampling: the sampler's log-probs are the old policy's, recomputed only
+        # every grpo.logprob_check_period (10) steps, the first included.
+        assert [m["train/prev_logprobs_reused"] for m in results] == [0.0, 1.0, 1.0]
+        assert "train/logprob_padding_efficiency" in results[0] and "train/logprob_padding_efficiency" not in results[1]
         assert "val/accuracy" in results[1]  # val_period=2
         # The first and last validations graded the same problems: the summary pairs them.
         first, last = trainer.first_val_results, trainer.last_val_results
@@ -81,14 +87,18 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
     assert ckpts == ["step_2", "step_3"]
     assert (run_dir / "ckpt" / "step_3" / "policy" / "config.json").exists()
 
-    # A rerun with the same directories resumes at step 3 and continues to step 4.
-    trainer = setup(_config(run_dir, "grpo.max_num_steps=4"))
+    # A rerun with the same directories resumes at step 3 and continues to step 4; how the passes are
+    # cut (here: packed rows on both ranks, log-probs recomputed) may change on a resume.
+    trainer = setup(_config(run_dir, "grpo.max_num_steps=4", "policy.sequence_packing.enabled=true",
+                            "grpo.reuse_generation_logprobs=false"))
     try:
         assert trainer.step_count == 3
         assert trainer.first_val_results == first and trainer.last_val_results == last  # kept in the checkpoint
         assert (trainer.sampler.epoch, trainer.sampler.position) == (0, 12)  # 3 steps x 4 prompts
-        grpo_train(trainer)
+        (m,) = grpo_train(trainer)
         assert trainer.step_count == 4
+        assert m["train/prev_logprobs_reused"] == 0.0 and abs(m["train/token_mult_prob_error"] - 1.0) < 0.02
+        assert m["train/padding_efficiency"] > 0.9 and m["train/logprob_padding_efficiency"] > 0.9
     finally:
         trainer.close()
 

@@ -335,7 +335,9 @@ def dump_config(config: MasterConfig) -> dict:
 # Sections a resumed run may change: how long to train and how to log/save/place it, not what.
 # A schedule's length follows a longer run (total_steps: auto): the lr is recomputed from the new length.
 _RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
-                      "policy.scheduler.total_steps",
+                      "policy.scheduler.total_steps", "policy.sequence_packing.", "policy.dynamic_batching.",
+                      "policy.logprob_batch_size", "policy.generation_batch_size",
+                      "grpo.reuse_generation_logprobs", "grpo.logprob_check_period",
                       "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
                       "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")
 
@@ -420,6 +422,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
     from nemo_like.environments.registry import create_env_actor
     from nemo_like.models.policy.lm_policy import Policy
+    from nemo_like.models.pretrained import resolve_model_source
     from nemo_like.utils.logger import read_metrics_jsonl
 
     cfg = config.model_copy(deep=True)
@@ -454,6 +457,10 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
 
             path = ensure_base_model(cfg)
             cfg.policy.model_name, cfg.policy.tokenizer_name = path, path
+        else:  # a gguf: file becomes a normal HF folder once (cached); a hub id or folder stays as is
+            cfg.policy.model_name = resolve_model_source(cfg.policy.model_name)
+            if cfg.policy.tokenizer_name:
+                cfg.policy.tokenizer_name = resolve_model_source(cfg.policy.tokenizer_name)
         cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                     gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
         resources.append(cluster.shutdown)
