@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     for k in phases:
         vals = [r[k] for r in rows if k in r]
         print(f"| {k:<32} | {statistics.mean(vals):8.3f} | {max(vals):8.3f} |")
-    for k in ("train/padding_efficiency", "train/logprob_padding_efficiency", "perf/generation_tokens_per_s",
+    for k in ("train/padding_efficiency", "train/logprob_padding_efficiency", "train/computed_tokens_ratio", "perf/generation_tokens_per_s",
               "perf/logprob_tokens_per_s", "perf/train_tokens_per_s", "perf/peak_memory_gb", "perf/mfu"):
         vals = [r[k] for r in rows if k in r]
         if vals:

@@ -87,8 +87,10 @@ def test_packed_and_dynamic_batches_make_the_same_update_on_two_ranks(cluster, m
                                                 "share_prompt_prefix": False}},
         "dynamic": {"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 64}},
     }
+    ratio = {}
     for name, kw in variants.items():
         before, m, after = _run(cluster, model_dir, data, name, **kw)
+        ratio[name] = m["computed_tokens_ratio"]
         assert torch.allclose(before["logprobs"][am], ref_before["logprobs"][am], atol=1e-5), name
         assert m["loss"] == pytest.approx(ref_m["loss"], rel=1e-5, abs=1e-7), name
         assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), name
@@ -96,3 +98,5 @@ def test_packed_and_dynamic_batches_make_the_same_update_on_two_ranks(cluster, m
         assert 0.9 < m["padding_efficiency"] <= 1.0, name
         assert 0 < float(before["padding_efficiency"].mean()) <= 1.0
     assert ref_m["peak_memory_gb"] > 0
+    # Each prompt computed once for its four completions: fewer positions than the samples hold.
+    assert ratio["packed"] < 0.9 * ratio["packed-noshare"] and ratio["packed-noshare"] >= 1.0

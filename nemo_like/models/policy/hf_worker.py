@@ -278,7 +278,7 @@ class HFPolicyWorker:
                              f"global batch {gbs} (policy.train_global_batch_size / world size)")
         self.model.train()
         all_metrics: list[dict[str, float]] = []
-        tok_real = tok_computed = 0
+        tok_real = tok_computed = tok_samples = 0
         t_start = time.perf_counter()
         for gb_start in range(0, data.size, gbs):
             gb = data.slice(gb_start, gb_start + gbs)
@@ -307,6 +307,7 @@ class HFPolicyWorker:
                 (loss * self.world_size).backward()
                 tok_real += item.tokens_real
                 tok_computed += item.tokens_computed
+                tok_samples += item.sample_tokens
                 mb = item.data
                 w = float((mb["token_mask"].float() * mb["sample_mask"].float()[:, None]).sum())
                 weight_total += w
@@ -324,11 +325,14 @@ class HFPolicyWorker:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t_start
         perf = self._perf_metrics(data, elapsed)
-        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0)], dtype=torch.float64)
+        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples], dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(eff)
         out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
                                           "padding_efficiency": float(eff[0] / eff[1].clamp(min=1)),
+                                          # Positions computed per token of the samples: below 1 when
+                                          # shared prompts are computed once.
+                                          "computed_tokens_ratio": float(eff[1] / eff[3].clamp(min=1)),
                                           "peak_memory_gb": perf["peak_memory_gb"]}
         if "mfu" in perf:
             out["mfu"] = float(eff[2]) / self.world_size
