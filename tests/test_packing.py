@@ -16,21 +16,17 @@ from nemo_like.models.policy.packing import (build_packed, check_packing_support
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 
-def _qwen2(impl: str = "sdpa"):
+def _random_lm(arch: str, impl: str = "sdpa"):
+    """A random float32 model: Qwen2-shaped, or SmolLM2-shaped (a Llama with GQA, 9 query / 3 kv
+    heads, tied embeddings), both scaled down."""
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      attn_implementation=impl)
-    return Qwen2ForCausalLM(cfg).float()
-
-
-def _smollm2_shape(impl: str = "sdpa"):
-    # SmolLM2-135M is a Llama: GQA (9 query / 3 kv heads), tied embeddings; scaled down here.
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=72, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                      attn_implementation=impl)
-    return LlamaForCausalLM(cfg).float()
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                            attn_implementation=impl)).float()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=72, intermediate_size=192, num_hidden_layers=2,
+                                        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                                        attn_implementation=impl)).float()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +52,7 @@ def _grpo_batch(vocab: int, groups: int = 3, G: int = 4, prompt: int = 6, T: int
 
 
 def _models():
-    return [("qwen2-sdpa", _qwen2("sdpa")), ("qwen2-eager", _qwen2("eager")), ("smollm2-shape", _smollm2_shape())]
+    return [("qwen2-sdpa", _random_lm("qwen2", "sdpa")), ("qwen2-eager", _random_lm("qwen2", "eager")), ("smollm2-shape", _random_lm("smollm2"))]
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -88,7 +84,7 @@ def test_shared_prefix_computes_each_prompt_once():
 
 
 def test_packed_loss_and_gradients_equal_unpadded():
-    model = _qwen2()
+    model = _random_lm("qwen2")
     ids, lengths, tm = _grpo_batch(512, groups=2, G=4)
     B, T = ids.shape
     g = torch.Generator().manual_seed(3)
@@ -169,7 +165,7 @@ def test_budget_smaller_than_longest_sample_is_a_config_error():
 
 
 def test_packing_refused_on_attention_that_cannot_confine_sequences():
-    flash = _qwen2()
+    flash = _random_lm("qwen2")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="'flash_attention_2' cannot confine packed sequences"):
         check_packing_supported(flash)
@@ -179,7 +175,7 @@ def test_packing_refused_on_attention_that_cannot_confine_sequences():
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
             return super().forward(input_ids=input_ids, **kw)
 
-    leaky = IgnoresMask(_qwen2().config)
+    leaky = IgnoresMask(_random_lm("qwen2").config)
     with pytest.raises(ValueError, match="does not confine packed sequences"):
         check_packing_supported(leaky)
-    check_packing_supported(_qwen2())  # a model that does confine them passes
+    check_packing_supported(_random_lm("qwen2"))  # a model that does confine them passes

@@ -16,15 +16,6 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.lm_policy import Policy
-from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_pp")
-    tok = build_char_tokenizer(d)
-    build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, seed=0, save_dir=d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")
