@@ -32,8 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_gguf_source", "locate_gguf", "check_model_source", "resolve_model_source", "read_gguf_info",
-           "GGUFInfo", "SUPPORTED_GGUF_ARCHITECTURES", "GGUF_PREFIX"]
+__all__ = [
+    "GGUF_PREFIX",
+    "SUPPORTED_GGUF_ARCHITECTURES",
+    "GGUFError",
+    "GGUFInfo",
+    "check_model_source",
+    "converted_folder",
+    "is_gguf_source",
+    "locate_gguf",
+    "read_gguf_info",
+    "resolve_model_source",
+]
 
 GGUF_PREFIX = "gguf:"
 DEFAULT_KEY = "policy.model_name"
@@ -55,6 +65,7 @@ _MAX_KV, _MAX_TENSORS, _MAX_DIMS = 1 << 20, 1 << 20, 8
 # GGUF metadata value types: id -> struct code of a fixed-size scalar (8: string, 9: array).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+CHATML_END = "<|im_end|>"  # end of turn of ChatML templates (SmolLM2, Qwen)
 _SHORT_ARRAY = 64  # longer metadata arrays (vocabularies, merges) are skipped, their length kept
 
 
@@ -70,6 +81,7 @@ class GGUFInfo:
     # Scalars, strings and short arrays as read; a long array (a tokenizer's 49k tokens) as its length.
     metadata: dict[str, Any] = field(default_factory=dict)
     tensor_count: int = 0
+    data_start: int = 0  # byte offset of the tensor data (after header, metadata and tensor table)
     data_end: int = 0  # byte offset where the last tensor's data ends
     file_size: int = 0
 
@@ -244,7 +256,8 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
                         "download or reinstall it again)")
     arch = meta.get("general.architecture")
     return GGUFInfo(path=path, version=version, architecture=arch if isinstance(arch, str) else None,
-                    metadata=meta, tensor_count=n_tensors, data_end=data_end, file_size=size)
+                    metadata=meta, tensor_count=n_tensors, data_start=data_start, data_end=data_end,
+                    file_size=size)
 
 
 def _tensor_nbytes(path: Path, name: str, dims: list[int], ttype: int) -> int:
@@ -279,6 +292,9 @@ def _gguf_info_for(name: str, key: str) -> GGUFInfo:
     if info.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         what = "no general.architecture" if info.architecture is None else f"unsupported architecture {info.architecture!r}"
         raise ValueError(f"{key}: {path}: {what} (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
+    if "tokenizer.ggml.model" not in info.metadata:
+        raise ValueError(f"{key}: {path}: the file carries no tokenizer (no tokenizer.ggml.* metadata); "
+                         "a GGUF model source needs one")
     return info
 
 
@@ -310,7 +326,7 @@ _DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> cont
 
 
 def _content_digest(path: Path) -> str:
-    """sha256 of the file (~0.3 s per 100 MB), remembered per (path, size, mtime) within a process.
+    """sha256 of the file (~0.1 s per 100 MB), remembered per (path, size, mtime) within a process.
 
     The content, not the mtime, keys the cache: reinstalling the same package gives new mtimes but
     the same file, and must not convert again."""
@@ -355,15 +371,18 @@ def resolve_model_source(name: str, cache_dir: str | Path | None = None, *, key:
     # Written in a sibling temporary folder and renamed into place when complete: a crash or a kill
     # leaves only a `.tmp-*` folder, never a half-written `out` that a later run would load.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    print(f"[nemo_like] converting {info.path} into {out} (once; ~20 s for a 135M model on 2 CPU cores)", flush=True)
     try:
         try:
             _convert(info.path, tmp)
         except Exception as e:
+            detail = " ".join(str(e).split())  # one line, whatever transformers wrote
             raise RuntimeError(f"{key}: converting {info.path} to a transformers model failed: "
-                               f"{type(e).__name__}: {e}") from e
+                               f"{type(e).__name__}: {detail}") from e
         (tmp / "nemo_like_source.json").write_text(json.dumps({
             "source": name, "file": str(info.path), "sha256": _content_digest(info.path),
             "architecture": info.architecture, "converter_version": _CONVERTER_VERSION}, indent=2))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is as readable as any model folder
         try:
             os.rename(tmp, out)
         except OSError:
@@ -386,9 +405,6 @@ def _remove_stale_tmp(out: Path, max_age_s: float = 3600.0) -> None:
             pass
 
 
-CHATML_END = "<|im_end|>"
-
-
 def _convert(path: Path, out: Path) -> None:
     """Dequantize ``path`` into a plain HF folder at ``out``.
 
@@ -400,7 +416,16 @@ def _convert(path: Path, out: Path) -> None:
 
     folder, fname = str(path.parent), path.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    gguf_model, loading = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
+                                                                output_loading_info=True)
+    # transformers fills weights the file lacks with random values and only reports it: a model with
+    # random layers must not pass for the pretrained one.
+    absent = [k for k in loading.get("missing_keys", ()) if not (
+        gguf_model.config.tie_word_embeddings and k == "lm_head.weight")]
+    absent += [k[0] if isinstance(k, tuple) else k for k in loading.get("mismatched_keys", ())]
+    if absent:
+        raise ValueError(f"the file lacks {len(absent)} weights of {type(gguf_model).__name__} or has them in "
+                         f"another shape (e.g. {', '.join(sorted(absent)[:3])})")
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights below are plain float tensors
@@ -425,10 +450,11 @@ def _convert(path: Path, out: Path) -> None:
     _fix_special_tokens(tok, config)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    # float32 on disk (~540 MB for 135M parameters), not bfloat16: the dequantized 4-bit weights are
-    # fp16 scale x int + fp16 offset, which bfloat16's 8-bit mantissa cannot hold, so a bf16 folder
-    # would be a (slightly) different model from the file; the worker keeps fp32 master weights anyway
-    # and applies bf16 only as compute precision.
+    # float32 on disk (~540 MB for 135M parameters), not bfloat16 (~270 MB): the dequantized 4-bit
+    # weights are fp16 scale x int + fp16 offset, which bfloat16's 8-bit mantissa cannot hold, so a bf16
+    # folder would be a different model from the file (SmolLM2: logits off by up to 0.2, measured; in
+    # float32 they are identical). The worker loads float32 master weights anyway and applies bf16 only
+    # as compute precision, so the smaller file would buy nothing but disk.
     model.save_pretrained(out)
     tok.save_pretrained(out)
     if not getattr(tok, "chat_template", None):
