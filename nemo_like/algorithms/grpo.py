@@ -151,18 +151,13 @@ class GRPOTrainer:
         return metrics
 
     def reuse_generation_logprobs(self) -> bool:
-        """Whether this step trusts the sampler's log-probs as the old policy's. They are the same
-        numbers when the sampler is the training model itself at the same precision (the in-worker
-        HF backend in float32): every update of the step starts from the weights that generated. Every
-        ``grpo.logprob_check_period`` steps they are recomputed anyway, so ``train/token_mult_prob_error``
-        keeps measuring the mismatch."""
+        """Trust the sampler's log-probs as the old policy's: the same numbers when the sampler is the
+        training model at float32 (in-worker HF backend). Recomputed every ``grpo.logprob_check_period``
+        steps anyway, so ``train/token_mult_prob_error`` keeps measuring the mismatch."""
         g, p = self.config.grpo, self.config.policy
         on = g.reuse_generation_logprobs
-        if on == "auto":
-            on = p.generation.backend == "hf" and p.precision == "float32"
-        if not on:
-            return False
-        return not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
+        on = (p.generation.backend == "hf" and p.precision == "float32") if on == "auto" else on
+        return bool(on) and not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
 
     def _rollout(self, batch: BatchedDataDict, greedy: bool) -> tuple[BatchedDataDict, dict[str, float]]:
         return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs,
