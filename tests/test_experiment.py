@@ -10,7 +10,6 @@ import ray
 import torch
 
 from nemo_like import GRPOExperiment
-from nemo_like.distributed.ray_cluster import init_ray
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "grpo_math_tiny.yaml")
 
@@ -49,14 +48,9 @@ def _live_actors(expect: int | None = None, wait_s: float = 20.0) -> int:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    # One Ray for the module, started here: experiments join it and so must leave it as they found it.
+@pytest.fixture(scope="module", autouse=True)
+def _base_model_cache(tmp_path_factory):
     CACHE["dir"] = tmp_path_factory.mktemp("base_model_cache")
-    started = init_ray(num_cpus=2)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -12,26 +12,16 @@ import os
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from nemo_like import GRPOExperiment
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.ray_cluster import init_ray
 from nemo_like.experience.rollouts import flatten_message_logs
 
 CONFIG = Path(__file__).parent.parent / "examples" / "configs" / "grpo_smollm2_math.yaml"
 IM_END = "<|im_end|>"
 MAX_NEW = 40
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = init_ray(num_cpus=2)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
