@@ -212,16 +212,10 @@ class BatchedDataDict(dict):
                 yield list(range(self.size)), self
             return
         lengths = self[length_key]
-        width = self[seq_key].shape[1]
         order = sorted(range(self.size), key=lambda i: -int(lengths[i]))  # stable: ties keep batch order
         for s in range(0, len(order), mb_size):
             idx = order[s : s + mb_size]
-            mb = self.select_indices(idx)
-            w = int(lengths[idx].max()) if idx else 0
-            for k, v in list(mb.items()):
-                if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width:
-                    mb[k] = v[:, :w]
-            yield idx, mb
+            yield idx, self.select_indices(idx).cut_width(int(lengths[idx].max()) if idx else 0, seq_key=seq_key)
 
     def make_token_budget_microbatch_iterator(
         self, max_tokens: int, *, length_key: str = "input_lengths", seq_key: str = "input_ids"
@@ -237,19 +231,22 @@ class BatchedDataDict(dict):
         if lengths and max(lengths) > max_tokens:
             raise ValueError(f"a sample of {max(lengths)} tokens is longer than the micro-batch token budget "
                              f"{max_tokens}")
-        width = self[seq_key].shape[1]
         order = sorted(range(self.size), key=lambda i: -lengths[i])
         s = 0
         while s < len(order):
             w = max(lengths[order[s]], 1)  # the longest of this micro-batch (sorted, longest first)
-            n = max(1, max_tokens // w)
-            idx = order[s : s + n]
-            mb = self.select_indices(idx)
-            for k, v in list(mb.items()):
-                if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width:
-                    mb[k] = v[:, :w]
-            yield idx, mb
-            s += n
+            idx = order[s : s + max(1, max_tokens // w)]
+            yield idx, self.select_indices(idx).cut_width(w, seq_key=seq_key)
+            s += len(idx)
+
+    def cut_width(self, width: int, *, seq_key: str = "input_ids") -> BatchedDataDict:
+        """Per-token tensors (2-D or more, as wide as ``seq_key``) cut to their first ``width``
+        positions, in place; returns self. Per-sample tensors and lists are left alone."""
+        full = self[seq_key].shape[1]
+        for k, v in list(self.items()):
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full:
+                super().__setitem__(k, v[:, :width])
+        return self
 
     # --- misc -------------------------------------------------------------------------------
     def to(self, device: torch.device | str) -> BatchedDataDict:

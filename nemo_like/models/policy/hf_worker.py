@@ -67,22 +67,13 @@ def plan_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int) ->
         out = []
         for group in group_rows(rows, sp.max_tokens_per_microbatch):
             packed = build_packed(ids, lengths, group)
-            mb = data.select_indices(packed.sample_idx)
-            mb = _cut_width(mb, packed.width)
+            mb = data.select_indices(packed.sample_idx).cut_width(packed.width)
             out.append(_MicroBatch(packed.sample_idx, mb, packed))
         return out
     if db.enabled:
         return [_MicroBatch(idx, mb, None) for idx, mb in data.make_token_budget_microbatch_iterator(
             db.max_tokens_per_microbatch)]
     return [_MicroBatch(idx, mb, None) for idx, mb in data.make_length_sorted_microbatch_iterator(mb_size)]
-
-
-def _cut_width(mb: BatchedDataDict, width: int) -> BatchedDataDict:
-    full = mb["input_ids"].shape[1]
-    for k, v in list(mb.items()):
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full:
-            mb[k] = v[:, :width]
-    return mb
 
 
 def pick_device(use_cuda: bool) -> torch.device:
@@ -223,13 +214,12 @@ class HFPolicyWorker:
         lp = torch.zeros_like(data["input_ids"], dtype=torch.float32)
         mbs = plan_microbatches(data, self.cfg, self.cfg.logprob_batch_size)
         real = computed = 0
-        for k in range(self._synced_count(len(mbs))):
-            mb = mbs[min(k, len(mbs) - 1)]
+        for n_pass in range(self._synced_count(len(mbs))):
+            mb = mbs[min(n_pass, len(mbs) - 1)]
             out = self._mb_logprobs(mb)
-            if k < len(mbs):
+            if n_pass < len(mbs):
                 lp[mb.idx, : out.shape[1]] = out.float().cpu()
                 real, computed = real + mb.tokens_real, computed + mb.tokens_computed
-        self.last_logprob_padding_efficiency = real / max(computed, 1)
         return BatchedDataDict(logprobs=lp, padding_efficiency=torch.full((data.size,), real / max(computed, 1)))
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -295,12 +285,12 @@ class HFPolicyWorker:
             # sample. The loss is a share of global counts, so the gradient does not depend on the
             # grouping.
             plan = plan_microbatches(gb, self.cfg, mbs)
-            for k in range(self._synced_count(len(plan))):
-                item = plan[min(k, len(plan) - 1)]
+            for n_pass in range(self._synced_count(len(plan))):
+                item = plan[min(n_pass, len(plan) - 1)]
                 lp = self._mb_logprobs(item)
                 mbd = item.data.copy().to(self.device)
                 loss, metrics = loss_fn(lp, mbd, global_seqs, global_toks)
-                if k >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
+                if n_pass >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
                     (loss * 0.0).backward()
                     continue
                 # FSDP averages gradients over ranks; the loss is already a share of the global sum.

@@ -97,22 +97,24 @@ def _units(input_ids: torch.Tensor, lengths: list[int], prefix_lens: list[int] |
         else:
             alone.append(i)
     units = [_Unit(0, [i], lengths[i]) for i in alone]
+
+    def close(p: int, members: list[int], size: int) -> None:
+        # A prompt shared by nobody is just a sample.
+        units.append(_Unit(p, members, size) if len(members) > 1 else _Unit(0, members, lengths[members[0]]))
+
     for key, members in groups.items():
         p = len(key)
-        if len(members) == 1:
-            units.append(_Unit(0, members, lengths[members[0]]))
-            continue
         # A group longer than a row is split into sub-groups, each with its own copy of the prompt.
         cur: list[int] = []
         size = p
         for i in members:
             extra = lengths[i] - p
             if cur and size + extra > row_length:
-                units.append(_Unit(p, cur, size) if len(cur) > 1 else _Unit(0, cur, lengths[cur[0]]))
+                close(p, cur, size)
                 cur, size = [], p
             cur.append(i)
             size += extra
-        units.append(_Unit(p, cur, size) if len(cur) > 1 else _Unit(0, cur, lengths[cur[0]]))
+        close(p, cur, size)
     return units
 
 
