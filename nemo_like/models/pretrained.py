@@ -50,7 +50,7 @@ DEFAULT_KEY = "policy.model_name"
 
 # GGUF `general.architecture` values we convert. transformers' GGUF loader knows more (gemma, phi3,
 # falcon, t5, mamba, ...); these are the decoder-only ones that map onto a standard *ForCausalLM class
-# the policy worker trains. llama is verified end to end (SmolLM2, tests/test_pretrained.py); qwen2 and
+# the policy worker trains. llama is verified end to end (SmolLM2, tests/unit/models/test_pretrained.py); qwen2 and
 # qwen3 go through the same loader path (plain decoder blocks, tensor-name maps in transformers).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

@@ -12,7 +12,7 @@ from nemo_like.data.datasets import load_dataset_from_config
 from nemo_like.data.processors import get_processor, register_processor
 from nemo_like.models.tiny import build_char_tokenizer
 
-CONFIG = Path(__file__).parents[1] / "examples" / "configs" / "grpo_multi_env_tiny.yaml"
+CONFIG = Path(__file__).parents[3] / "examples" / "configs" / "grpo_multi_env_tiny.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from nemo_like.config import ConfigError, apply_overrides, load_config, load_yaml_with_defaults, parse_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 
 

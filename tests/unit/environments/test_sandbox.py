@@ -24,7 +24,7 @@ import pytest
 from nemo_like.environments import sandbox as sandbox_module
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError, run_many
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TIMEOUT = 2.0
 HAVE_BWRAP = shutil.which("bwrap") is not None
 needs_bwrap = pytest.mark.skipif(

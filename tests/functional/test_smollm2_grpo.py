@@ -2,7 +2,7 @@
 chat model from a GGUF file, its BPE tokenizer and ChatML template, graded by the math environment.
 
 One tiny GRPO step in float32 with the CPU overrides the recipe documents, scaled down. The converted
-model folder is shared with tests/test_pretrained.py (same cache dir), so a session converts once.
+model folder is shared with tests/unit/models/test_pretrained.py (same cache dir), so a session converts once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from nemo_like.data.collate import rl_collate_fn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.rollouts import flatten_message_logs
 
-CONFIG = Path(__file__).parent.parent / "examples" / "configs" / "grpo_smollm2_math.yaml"
+CONFIG = Path(__file__).parents[2] / "examples" / "configs" / "grpo_smollm2_math.yaml"
 IM_END = "<|im_end|>"
 MAX_NEW = 40
 

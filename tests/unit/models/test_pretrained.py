@@ -1,7 +1,7 @@
 """GGUF model sources (nemo_like.models.pretrained): locating, checking and converting, on real files.
 
 The converted SmolLM2 folder is built once per test session, under $NEMO_LIKE_CACHE when set (CI
-keeps it between runs) or else in the session's pytest temp dir (tests/test_smollm2_grpo.py uses the
+keeps it between runs) or else in the session's pytest temp dir (tests/functional/test_smollm2_grpo.py uses the
 same place, so a session converts at most once).
 """
 

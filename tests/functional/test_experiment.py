@@ -11,7 +11,7 @@ import torch
 
 from nemo_like import GRPOExperiment
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "grpo_math_tiny.yaml")
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
 
 CACHE = {"dir": None}  # one bootstrapped base model for the whole module

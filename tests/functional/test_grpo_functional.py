@@ -13,7 +13,7 @@ import torch
 from nemo_like.algorithms.grpo import accuracy_summary, grpo_train, setup
 from nemo_like.config import load_config
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "grpo_math_tiny.yaml")
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
 
 def _config(tmp_path, *extra):

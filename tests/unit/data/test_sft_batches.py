@@ -34,7 +34,7 @@ def test_bootstrap_cache_key_names_the_recipe_not_its_spelling():
     from nemo_like.config import load_config
     from nemo_like.models.bootstrap import bootstrap_cache_path
 
-    cfg_path = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "grpo_math_tiny.yaml")
+    cfg_path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
     def key(*overrides):
         return bootstrap_cache_path(load_config(cfg_path, list(overrides))).name
@@ -57,7 +57,7 @@ def test_bootstrap_cache_key_follows_the_tool_table_only_for_tool_data(monkeypat
     from nemo_like.environments import tools
     from nemo_like.models.bootstrap import bootstrap_cache_path
 
-    configs = os.path.join(os.path.dirname(__file__), "..", "examples", "configs")
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs")
     multi = load_config(os.path.join(configs, "grpo_multi_env_tiny.yaml"))
     math = load_config(os.path.join(configs, "grpo_math_tiny.yaml"))
     before = bootstrap_cache_path(multi), bootstrap_cache_path(math)
