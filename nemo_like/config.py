@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig
 from nemo_like.data.datasets import DatasetConfig
+from nemo_like.environments.env_config import validate_env_config
+from nemo_like.environments.registry import env_config_model
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
@@ -190,12 +192,25 @@ class MasterConfig(_Strict):
                 name = getattr(p, key)
                 if name:
                     check_model_source(name, key=f"policy.{key}")
+        for name, options in self.env.items():
+            self._check_env_options(name, options)
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]
             raise ValueError(f"data.train: sampling_weight is set on some datasets but not on those of tasks "
                              f"{missing}; set it on every train dataset or on none")
         return self
+
+    @staticmethod
+    def _check_env_options(name: str, options: dict[str, Any]) -> None:
+        """``env.<name>`` against the environment's declared ``config_model``, so a typo or a bad
+        type fails now, naming the key, and not inside an actor after the cluster started."""
+        try:
+            model = env_config_model(name)
+        except ImportError as e:
+            raise ValueError(f"env.{name}: {e}") from None
+        if model is not None:
+            validate_env_config(name, model, options)  # ValueError naming env.<name>.<key>
 
 
 # ---------------------------------------------------------------------------------------------

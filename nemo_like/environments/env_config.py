@@ -53,11 +53,12 @@ def env_config_errors(name: str, model: type[BaseModel], e: ValidationError) -> 
 
 
 def validate_env_config(name: str, model: type[EnvConfig], config: Any) -> EnvConfig:
-    """``config`` parsed by ``model``; raises ``ValueError`` with one line naming ``env.<name>.<key>``."""
+    """``config`` parsed by ``model``; raises ``ValueError`` with one line naming ``env.<name>.<key>``
+    (``TypeError`` when ``config`` is not a dict at all)."""
     if config is None:
         config = {}
     if not isinstance(config, dict):
-        raise ValueError(f"env.{name}: expected a mapping of options, got {type(config).__name__}")
+        raise TypeError(f"env.{name}: expected a dict of options, got {type(config).__name__}")
     try:
         return model.model_validate(config)
     except ValidationError as e:

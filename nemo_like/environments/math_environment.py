@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import Field, field_validator
+
+from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
 from nemo_like.environments.grader_pool import GraderPool, resolve_callable
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 from nemo_like.environments.math_parser import AnswerRejected, parse_answer, rational_value, symbolically_equal
@@ -23,7 +26,7 @@ from nemo_like.environments.math_parser import AnswerRejected, parse_answer, rat
 if TYPE_CHECKING:
     from nemo_like.data.interfaces import LLMMessageLogType
 
-__all__ = ["verify_math_answer", "extract_final_answer", "normalize_answer", "MathEnvironment"]
+__all__ = ["verify_math_answer", "extract_final_answer", "normalize_answer", "MathEnvironment", "MathEnvConfig"]
 
 MAX_ANSWER_CHARS = 200  # longer final answers score 0 (this also bounds the parser's work)
 DEFAULT_VERIFIER = f"{__name__}.verify_math_answer"
@@ -152,12 +155,25 @@ def verify_math_answer(response: str, ground_truth: str) -> float:
 
 
 # -------------------------------------------------------------------------------- environment
-_CONFIG_DEFAULTS: dict[str, Any] = {
-    "timeout_s": 2.0,  # wall-clock limit of one symbolic (or custom) check
-    "num_workers": 1,  # grader processes
-    "verifier": None,  # import path of a custom grading fn(response, ground_truth) -> float
-    "memory_limit_mb": 2048,  # address-space limit of each grader process (0: none)
-}
+class MathEnvConfig(EnvConfig):
+    """``env.math``: checked before Ray starts (see :mod:`nemo_like.environments.env_config`)."""
+
+    # Wall-clock limit of one symbolic (or custom) check.
+    timeout_s: float = Field(default=2.0, gt=0, strict=True, allow_inf_nan=False)
+    num_workers: int = Field(default=1, ge=1, strict=True)  # grader processes
+    # Import path of a custom grading fn(response, ground_truth) -> float; None: verify_math_answer.
+    verifier: str | None = Field(default=None, strict=True)
+    memory_limit_mb: int = Field(default=2048, ge=0, strict=True)  # address space per grader (0: none)
+
+    @field_validator("verifier")
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:  # fail when the config is read, naming the path, not at step 1 inside an actor
+                resolve_callable(v)
+            except (ImportError, TypeError) as e:
+                raise ValueError(str(e)) from None
+        return v
 
 
 class _BadItem(Exception):
@@ -194,24 +210,12 @@ class MathEnvironment(EnvironmentInterface):
     a check over the time limit scores 0 and counts in ``num_timeouts``.
     """
 
+    config_model: ClassVar[type[EnvConfig]] = MathEnvConfig
+
     def __init__(self, config: dict | None = None) -> None:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise TypeError(f"MathEnvironment config must be a dict, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_CONFIG_DEFAULTS))
-        if unknown:
-            raise ValueError(f"MathEnvironment: unknown config keys {unknown}; allowed: {sorted(_CONFIG_DEFAULTS)}")
-        cfg = {**_CONFIG_DEFAULTS, **config}
-        timeout, workers, memory = cfg["timeout_s"], cfg["num_workers"], cfg["memory_limit_mb"]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"MathEnvironment: timeout_s must be a positive number, got {timeout!r}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"MathEnvironment: num_workers must be an int >= 1, got {workers!r}")
-        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
-            raise ValueError(f"MathEnvironment: memory_limit_mb must be an int >= 0, got {memory!r}")
-        verifier = cfg["verifier"]
-        if verifier is not None:
-            resolve_callable(verifier)  # fail at construction, naming the path, not at step 1
+        parsed = validate_env_config("math", MathEnvConfig, config)
+        cfg = parsed.model_dump(exclude=set(TRAINER_SIDE_KEYS))
+        timeout, workers, memory, verifier = cfg["timeout_s"], cfg["num_workers"], cfg["memory_limit_mb"], cfg["verifier"]
         self.config = cfg
         # The built-in verifier's fast path (extraction, normalisation, exact rational arithmetic)
         # is bounded by construction, so it runs in-process: no IPC for the ~all-numeric answers the

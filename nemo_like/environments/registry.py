@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, overload
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-__all__ = ["register_env", "get_env_class", "create_env_actor", "registered_envs"]
+__all__ = ["register_env", "get_env_class", "env_config_model", "create_env_actor", "registered_envs"]
 
 # name -> class or import path; resolved classes replace their paths on first use.
 _REGISTRY: dict[str, type | str] = {
@@ -139,6 +139,16 @@ def get_env_class(name: str) -> type:
         if _REGISTRY.get(name) == target:  # unless re-registered meanwhile
             _REGISTRY[name] = cls
     return cls
+
+
+def env_config_model(name: str) -> type | None:
+    """The typed config (an ``EnvConfig`` subclass) the environment ``name`` declares as
+    ``config_model``, or None: not registered (a user may register it later, before setup), or a
+    class that takes its mapping unchecked."""
+    with _LOCK:
+        if name not in _REGISTRY:
+            return None
+    return getattr(get_env_class(name), "config_model", None)
 
 
 def create_env_actor(

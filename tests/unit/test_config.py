@@ -99,6 +99,10 @@ def test_apply_overrides_force_adds_nested():
     [
         (["grpo.max_num_step=3"], "unknown config key 'grpo.max_num_step'"),
         (["data.train.path=/nonexistent/rows.jsonl", "++data.train.generator=null"], "/nonexistent/rows.jsonl: file not found"),
+        # Environment options are typed too (env.<name> against the environment's config_model).
+        (["env.math.timeout=3"], "env.math.timeout: unknown config key (did you mean env.math.timeout_s?)"),
+        (["env.math.timeout_s=abc"], "env.math.timeout_s: Input should be a valid number (got 'abc')"),
+        (["env.math.step_timeout_s=0"], "env.math.step_timeout_s: Input should be greater than 0"),
     ],
 )
 def test_cli_exits_2_with_one_line(args, message, tmp_path):
@@ -117,3 +121,35 @@ def test_cli_malformed_jsonl_names_line(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert f"{rows}:2: invalid JSON" in proc.stderr
+
+
+def test_env_options_are_checked_against_the_environment_config_model(monkeypatch):
+    from pydantic import Field
+
+    from nemo_like.environments import registry
+    from nemo_like.environments.env_config import EnvConfig
+    from nemo_like.environments.math_environment import MathEnvironment
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # registrations stay local
+    assert load_config(TINY, ["env.math.timeout_s=3"]).env["math"] == {"timeout_s": 3}
+
+    class Untyped(MathEnvironment):  # a user environment that takes its mapping unchecked
+        config_model = None
+
+    registry.register_env("untyped", Untyped)
+    assert load_config(TINY, ["++env.untyped.anything=1"]).env["untyped"] == {"anything": 1}
+
+    class TypedConfig(EnvConfig):
+        rounds: int = Field(3, ge=1)
+
+    class Typed(MathEnvironment):
+        config_model = TypedConfig
+
+    registry.register_env("typed", Typed)
+    assert load_config(TINY, ["++env.typed.rounds=2"]).env["typed"] == {"rounds": 2}
+    with pytest.raises(ConfigError, match=r"env.typed.rounds: Input should be greater than or equal to 1 \(got 0\)"):
+        load_config(TINY, ["++env.typed.rounds=0"])
+    with pytest.raises(ConfigError, match=r"env.typed.round: unknown config key \(did you mean env.typed.rounds\?\)"):
+        load_config(TINY, ["++env.typed.round=2"])
+    # Not registered (yet): nothing to check it against, so the options pass as they are.
+    assert load_config(TINY, ["++env.later.x=1"]).env["later"] == {"x": 1}
