@@ -6,6 +6,7 @@ Single-turn generation is the one-turn case; environments are Ray actors reached
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentReturn
+from nemo_like.environments.supervision import first_line_of_error
 from nemo_like.models.generation.interfaces import GenerationInterface
 
 
@@ -40,36 +42,68 @@ def flatten_message_logs(message_logs: list[list[dict]], pad_id: int) -> Batched
 
 
 def calculate_rewards(message_logs: list[list[dict]], task_names: list[str], env_infos: list[dict],
-                      envs: dict[str, Any]) -> tuple[torch.Tensor, list[EnvironmentReturn | None], dict[str, float]]:
+                      envs: dict[str, Any], step_timeouts: dict[str, float] | None = None
+                      ) -> tuple[torch.Tensor, list[EnvironmentReturn | None], dict[str, float], list[str | None]]:
     """Group samples by task, send each group to its environment actor in one call, and put the
-    results back in batch order. An environment that fails scores its samples 0 (counted)."""
+    results back in batch order.
+
+    A call that raises, whose actor died, or that runs past ``step_timeouts[task]`` seconds leaves
+    its samples unscorable: reward NaN (advantage 0, out of the baseline), return None, and the
+    error's first line in the fourth output; counted as ``env/<task>/step_errors`` or
+    ``env/<task>/step_timeouts``. A timed-out actor is restarted, so a hung grader costs one call,
+    not the run.
+    """
     n = len(message_logs)
     rewards = torch.zeros(n, dtype=torch.float32)
     returns: list[EnvironmentReturn | None] = [None] * n
+    errors: list[str | None] = [None] * n
     metrics: dict[str, float] = {}
     by_task: dict[str, list[int]] = {}
     for i, t in enumerate(task_names):
         by_task.setdefault(t, []).append(i)
-    futures = {}
+    futures, deadlines = {}, {}
     for task, idx in by_task.items():
         if task not in envs:
             raise KeyError(f"no environment for task {task!r}; configured: {sorted(envs)}")
         futures[task] = envs[task].step.remote([message_logs[i] for i in idx], [env_infos[i] for i in idx])
+        limit = (step_timeouts or {}).get(task, math.inf)
+        deadlines[task] = time.monotonic() + limit if math.isfinite(limit) else None
     for task, fut in futures.items():
         idx = by_task[task]
         try:
-            ret: EnvironmentReturn = ray.get(fut)
+            left = None if deadlines[task] is None else max(0.0, deadlines[task] - time.monotonic())
+            ret: EnvironmentReturn = ray.get(fut, timeout=left)
+        except ray.exceptions.GetTimeoutError:
+            _restart(envs[task], fut)
+            err, key = f"step timed out after {step_timeouts[task]:g} s; actor restarted", "step_timeouts"
         except Exception as e:  # a crashed grader must not end the run
-            metrics[f"env/{task}/step_errors"] = metrics.get(f"env/{task}/step_errors", 0.0) + len(idx)
-            print(f"[nemo_like] environment {task!r} failed on {len(idx)} samples, scored 0: {e!r}")
+            err, key = first_line_of_error(e), "step_errors"
+        else:
+            for j, i in enumerate(idx):
+                rewards[i] = float(ret.rewards[j])
+                returns[i] = EnvironmentReturn([ret.observations[j]], [ret.metadata[j]], [ret.next_stop_strings[j]],
+                                               ret.rewards[j : j + 1], ret.terminateds[j : j + 1], {})
+            for k, v in (ret.metrics or {}).items():
+                metrics[f"env/{task}/{k}"] = float(v)
             continue
-        for j, i in enumerate(idx):
-            rewards[i] = float(ret.rewards[j])
-            returns[i] = EnvironmentReturn([ret.observations[j]], [ret.metadata[j]], [ret.next_stop_strings[j]],
-                                           ret.rewards[j : j + 1], ret.terminateds[j : j + 1], {})
-        for k, v in (ret.metrics or {}).items():
-            metrics[f"env/{task}/{k}"] = float(v)
-    return rewards, returns, metrics
+        metrics[f"env/{task}/{key}"] = metrics.get(f"env/{task}/{key}", 0.0) + len(idx)
+        print(f"[nemo_like] environment {task!r} could not grade {len(idx)} samples (unscorable): {err}")
+        for i in idx:
+            rewards[i], errors[i] = math.nan, err
+    return rewards, returns, metrics, errors
+
+
+def _restart(actor: Any, fut: Any) -> None:
+    """Cancel the hung call first (else Ray retries it on the restarted actor), then kill the
+    actor's process so Ray starts a fresh one (its ``max_restarts`` allows it)."""
+    try:
+        ray.cancel(fut)
+    except Exception:
+        pass
+    try:
+        ray.kill(actor, no_restart=False)
+    except Exception as e:  # already dead: the next call finds out and is counted then
+        print(f"[nemo_like] could not restart a hung environment actor: {e!r}")
 
 
 def _turn_closer(tokenizer) -> str:
@@ -82,31 +116,51 @@ def _turn_closer(tokenizer) -> str:
         return (tokenizer.eos_token or "") + "\n"
 
 
+_CONTENT_MARKER = "\x00NEMO_LIKE_OBSERVATION\x00"
+
+
 def observation_token_ids(tokenizer, observation: dict, *, assistant_ended_with_eos: bool) -> torch.Tensor:
     """Token ids that follow an assistant turn: the end of that turn (unless the model already
     emitted EOS), the environment's message rendered by the chat template, and the next
-    assistant header. None of these tokens carry loss."""
+    assistant header. None of these tokens carry loss.
+
+    The message's content is untrusted text (a tool's output, a program's stderr, an echo of the
+    model's own answer): it is encoded as plain characters, so a literal "<|im_end|>" in it can
+    never become the special token that ends a turn. Only the template's own markup is encoded
+    with special tokens."""
     closer = _turn_closer(tokenizer)
     if assistant_ended_with_eos and tokenizer.eos_token and closer.startswith(tokenizer.eos_token):
         closer = closer[len(tokenizer.eos_token):]
-    msg = {"role": observation.get("role", "environment"), "content": str(observation.get("content", ""))}
+    content = str(observation.get("content", ""))
+    msg = {"role": observation.get("role", "environment"), "content": _CONTENT_MARKER}
     try:
         body = tokenizer.apply_chat_template([msg], tokenize=False, add_generation_prompt=True)
     except Exception:  # e.g. a template without a "tool" role: fall back to plain text
-        body = f"{msg['content']}\n"
-    ids = tokenizer(closer + body, add_special_tokens=False)["input_ids"]
+        body = f"{_CONTENT_MARKER}\n"
+    head, found, tail = body.partition(_CONTENT_MARKER)
+    if not found:  # a template that rewrites content: the message as plain text, nothing else
+        head, tail = "", "\n"
+
+    def encode(text: str, *, plain: bool) -> list[int]:
+        if not text:
+            return []
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+
+    ids = encode(closer + head, plain=False) + encode(content, plain=True) + encode(tail, plain=False)
     return torch.tensor(ids, dtype=torch.long)
 
 
 def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, tokenizer, envs: dict[str, Any],
-                           *, max_turns: int, max_seq_len: int, greedy: bool = False
+                           *, max_turns: int, max_seq_len: int, greedy: bool = False,
+                           step_timeouts: dict[str, float] | None = None
                            ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Generate, let each sample's environment answer, append its observation, repeat.
 
-    A sample stops when its environment says terminated, when the next turn would not fit in
-    `max_seq_len` (truncated, counted), or after `max_turns` assistant turns. Its reward is the
-    sum of the rewards its environment gave. Environment tokens are appended with loss off.
-    Single-turn tasks (every environment terminates at once) take exactly one turn.
+    A sample stops when its environment says terminated, when its observation or the next turn
+    would not fit in `max_seq_len` (truncated, counted; no row ever exceeds it), or after
+    `max_turns` assistant turns. Its reward is the sum of the rewards its environment gave; if
+    grading failed at any turn it is NaN (unscorable) and ``grading_error`` holds why.
+    Environment tokens are appended with loss off. Single-turn tasks take exactly one turn.
     """
     n = len(batch["message_log"])
     message_logs = [copy.copy(log) for log in batch["message_log"]]
@@ -114,6 +168,8 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     task_names = list(batch["task_name"])
     stop_strings: list[list[str] | None] = list(batch["stop_strings"]) if "stop_strings" in batch else [None] * n
     rewards = torch.zeros(n, dtype=torch.float32)
+    grading_errors: list[str | None] = [None] * n
+    lengths = [sum(len(m["token_ids"]) for m in log) for log in message_logs]
     turns = torch.zeros(n, dtype=torch.long)
     truncated = torch.zeros(n, dtype=torch.bool)
     terminated = torch.zeros(n, dtype=torch.bool)
@@ -149,17 +205,19 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
                                     "token_ids": ids, "generation_logprobs": gen["logprobs"][j, start:end].clone()})
             turns[i] += 1
             gen_lengths[i] += end - start
+            lengths[i] += end - start
             ended_eos.append(len(ids) > 0 and int(ids[-1]) == eos)
             if bool(gen["truncated"][j]):  # hit the per-turn token cap; the environment still decides
                 truncated[i] = True
-        _, returns, m = calculate_rewards([message_logs[i] for i in active], [task_names[i] for i in active],
-                                          [env_infos[i] for i in active], envs)
+        _, returns, m, errors = calculate_rewards([message_logs[i] for i in active], [task_names[i] for i in active],
+                                                  [env_infos[i] for i in active], envs, step_timeouts)
         for k, v in m.items():
             env_metrics.setdefault(k, []).append(v)
         still = []
         for j, i in enumerate(active):
             ret = returns[j]
-            if ret is None:  # the environment failed: scored 0 (counted in calculate_rewards)
+            if ret is None:  # grading failed: unscorable (counted in calculate_rewards)
+                rewards[i], grading_errors[i] = math.nan, errors[j]
                 terminated[i] = True
                 continue
             rewards[i] += float(ret.rewards[0])
@@ -169,6 +227,12 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
                 terminated[i] = True
                 continue
             obs_ids = observation_token_ids(tokenizer, ret.observations[0], assistant_ended_with_eos=ended_eos[j])
+            if lengths[i] + len(obs_ids) >= max_seq_len:
+                # The observation would overflow the row (or leave no room to answer it): the episode
+                # ends here, truncated, rather than a training row longer than the model's limit.
+                truncated[i] = True
+                continue
+            lengths[i] += len(obs_ids)
             obs = dict(ret.observations[0]) | {"token_ids": obs_ids}
             message_logs[i].append(obs)
             stop_strings[i] = ret.next_stop_strings[0]
@@ -178,6 +242,7 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     out["message_log"] = message_logs
     out["extra_env_info"] = env_infos
     out["total_reward"] = rewards
+    out["grading_error"] = grading_errors
     out["truncated"] = truncated
     out["generation_lengths"] = gen_lengths
     out["num_turns"] = turns
@@ -188,8 +253,8 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
         "unterminated_rate": float((~terminated).float().mean()) if n else 0.0,
         "generation_s": generation_s,
     }
-    # Counters ("num_*", "step_errors") add up over turns; rates and accuracies are averaged.
+    # Counters ("num_*", "step_errors", "step_timeouts") add up over turns; rates and accuracies are averaged.
     for k, vs in env_metrics.items():
         leaf = k.rsplit("/", 1)[-1]
-        metrics[k] = sum(vs) if leaf.startswith("num_") or leaf == "step_errors" else sum(vs) / len(vs)
+        metrics[k] = sum(vs) if leaf.startswith("num_") or leaf in ("step_errors", "step_timeouts") else sum(vs) / len(vs)
     return out, metrics
