@@ -11,12 +11,14 @@ This module imports neither torch nor ray at import time (torch lazily, to build
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import Field, field_validator
+
+from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 from nemo_like.environments.tool_calls import (
     MAX_RECORDED_CALLS,
@@ -48,19 +50,56 @@ __all__ = [
     "extract_tool_answer",
     "answers_match",
     "ToolEnvironment",
+    "ToolEnvConfig",
 ]
 
 # -------------------------------------------------------------------------------- environment
-_CONFIG_DEFAULTS: dict[str, Any] = {
-    "tools": None,  # names (or import paths) of the tools offered; None: add, mul, lookup
-    "max_turns": 4,  # assistant turns per episode, the final answer included
-    "timeout_s": 2.0,  # wall-clock limit of one tool call
-    "require_tool_calls": False,  # reward only if metadata["expected_calls"] were all made
-    "call_match_reward": 0.0,  # in [0, 1): added when metadata["expected_calls"] were all made
-    "max_calls_per_turn": 4,  # more calls in one message: malformed
-    "max_response_chars": 1000,  # a longer JSON result is an error observation
-    "max_stuck_calls": 4,  # a tool with this many calls still running past the limit is disabled
-}
+class ToolEnvConfig(EnvConfig):
+    """``env.tool``: checked before Ray starts (see :mod:`nemo_like.environments.env_config`)."""
+
+    tools: list[str] | None = None  # names (or import paths) of the tools offered; None: add, mul, lookup
+    max_turns: int = Field(default=4, ge=1, strict=True)  # assistant turns per episode, the final answer included
+    timeout_s: float = Field(default=2.0, gt=0, strict=True, allow_inf_nan=False)  # wall-clock limit of one call
+    require_tool_calls: bool = Field(default=False, strict=True)  # reward only if expected_calls were all made
+    call_match_reward: float = Field(default=0.0, strict=True)  # in [0, 1): added when expected_calls were all made
+    max_calls_per_turn: int = Field(default=4, ge=1, strict=True)  # more calls in one message: malformed
+    max_response_chars: int = Field(default=1000, ge=1, strict=True)  # a longer JSON result is an error observation
+    # Calls of one tool running at once; a tool with this many calls still running past the limit
+    # is unavailable until one returns (so a tool that hangs holds at most this many threads).
+    max_stuck_calls: int = Field(default=4, ge=1, strict=True)
+    # Tool threads alive at once, all tools together (abandoned calls included): bounds the threads a
+    # hanging tool leaves behind and the calls a big batch runs in parallel.
+    max_concurrent_calls: int = Field(default=8, ge=1, strict=True)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_names(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, str) or not isinstance(v, (list, tuple)) or not v:
+            raise ValueError("must be a non-empty list of tool names (or null for add, mul, lookup)")
+        return list(v)
+
+    @field_validator("tools")
+    @classmethod
+    def _resolvable(cls, v: list[str] | None) -> list[str] | None:
+        seen: dict[str, Tool] = {}
+        for spec in v or []:
+            try:  # an unknown name or a bad import path fails when the config is read
+                t = resolve_tool(spec)
+            except (KeyError, TypeError) as e:
+                raise ValueError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
+            if t.name in seen and seen[t.name] is not t:
+                raise ValueError(f"two different tools named {t.name!r}")
+            seen[t.name] = t
+        return v
+
+    @field_validator("call_match_reward")
+    @classmethod
+    def _below_one(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:  # below 1, so that accuracy (reward >= 1) still means a right answer
+            raise ValueError("must be a number in [0, 1)")
+        return v
 
 
 class _BadItem(Exception):
@@ -112,12 +151,14 @@ def _expected_calls(meta: dict) -> list[str]:
 
 class _Call:
     """One tool call running on a daemon thread. A thread cannot be killed: a call past its time
-    limit is abandoned (and counted in its tool's stuck calls until it returns)."""
+    limit is abandoned (and counted in its tool's stuck calls until it returns). ``on_exit`` runs
+    when the thread ends, however it ends: it gives the call's slot back."""
 
-    def __init__(self, tool: Tool, arguments: dict, max_chars: int) -> None:
-        self.tool, self.arguments, self.max_chars = tool, arguments, max_chars
+    def __init__(self, tool: Tool, arguments: dict, max_chars: int, on_exit: Any) -> None:
+        self.tool, self.arguments, self.max_chars, self.on_exit = tool, arguments, max_chars, on_exit
         self.payload: str | None = None
         self.error: str | None = None
+        self.done = False
         self.thread = threading.Thread(target=self._run, name=f"tool-{tool.name}", daemon=True)
 
     def _run(self) -> None:
@@ -131,15 +172,18 @@ class _Call:
         except BaseException as e:  # report everything; the environment turns it into an observation
             msg = str(e) if not isinstance(e, KeyError) else str(e.args[0]) if e.args else ""
             self.error = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        finally:
+            self.on_exit(self)  # sets ``done`` and frees the slot in one locked step
 
 
 class ToolEnvironment(EnvironmentInterface):
     """Runs the tool calls in each sample's last assistant message, or grades its final answer.
 
-    Config keys (see ``_CONFIG_DEFAULTS``): ``tools`` (None: add, mul, lookup; names from
+    Config keys (:class:`ToolEnvConfig`): ``tools`` (None: add, mul, lookup; names from
     :mod:`nemo_like.environments.tools`, or import paths ``"pkg.mod.fn"``), ``max_turns`` (4),
     ``timeout_s`` (2.0), ``require_tool_calls`` (False), ``call_match_reward`` (0.0),
-    ``max_calls_per_turn`` (4), ``max_response_chars`` (1000), ``max_stuck_calls`` (4).
+    ``max_calls_per_turn`` (4), ``max_response_chars`` (1000), ``max_stuck_calls`` (4),
+    ``max_concurrent_calls`` (8).
 
     Per sample, from the last assistant message:
 
@@ -158,10 +202,14 @@ class ToolEnvironment(EnvironmentInterface):
       (partial credit, below 1 so that accuracy, reward >= 1, still means a right answer) is added
       when those calls were made, right answer or not.
 
-    Tools of one step run concurrently on threads (they must be thread-safe). A thread cannot be
-    killed, so a call past the limit is abandoned; a tool with ``max_stuck_calls`` calls still
-    running is disabled (error observations) until one returns. Untrusted code does not belong in
-    a tool: run it in a sandbox process.
+    Tools of one step run concurrently on threads (they must be thread-safe): at most
+    ``max_concurrent_calls`` threads alive in all, at most ``max_stuck_calls`` per tool, and the
+    calls of one step end within 2 x ``timeout_s`` (a call that found no free slot by ``timeout_s``
+    is an error). A thread cannot be killed, so a call past the limit is abandoned, and holds its
+    slot until it returns; a tool with ``max_stuck_calls`` calls still running is disabled (error
+    observations) until one returns, so a tool that hangs leaves at most that many threads and the
+    other tools keep the remaining slots. Untrusted code does not belong in a tool: run it in a
+    sandbox process.
 
     Never raises from :meth:`step`: a malformed sample (not a list of dicts, no assistant message,
     no ground truth when one is needed) scores 0, terminates and counts in ``num_failures``.
@@ -171,44 +219,23 @@ class ToolEnvironment(EnvironmentInterface):
     terminated in this step), ``num_failures``.
     """
 
+    config_model: ClassVar[type[EnvConfig]] = ToolEnvConfig
+
     def __init__(self, config: dict | None = None) -> None:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise TypeError(f"ToolEnvironment config must be a dict, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_CONFIG_DEFAULTS))
-        if unknown:
-            raise ValueError(f"ToolEnvironment: unknown config keys {unknown}; allowed: {sorted(_CONFIG_DEFAULTS)}")
-        cfg = {**_CONFIG_DEFAULTS, **config}
-        for key in ("max_turns", "max_calls_per_turn", "max_response_chars", "max_stuck_calls"):
-            v = cfg[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ToolEnvironment: {key} must be an int >= 1, got {v!r}")
-        timeout = cfg["timeout_s"]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"ToolEnvironment: timeout_s must be a positive number, got {timeout!r}")
-        if not isinstance(cfg["require_tool_calls"], bool):
-            raise ValueError(f"ToolEnvironment: require_tool_calls must be true or false, got {cfg['require_tool_calls']!r}")
-        bonus = cfg["call_match_reward"]
-        if isinstance(bonus, bool) or not isinstance(bonus, (int, float)) or not 0.0 <= bonus < 1.0:
-            raise ValueError(f"ToolEnvironment: call_match_reward must be a number in [0, 1), got {bonus!r}")
-        names = cfg["tools"]
-        if names is None:
-            names = list(DEFAULT_TOOLS)
-        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
-            raise ValueError(f"ToolEnvironment: tools must be a non-empty list of tool names, got {names!r}")
+        parsed = validate_env_config("tool", ToolEnvConfig, config)
+        cfg = parsed.model_dump(exclude=set(TRAINER_SIDE_KEYS))
         self.tools: dict[str, Tool] = {}
-        for spec in names:
-            try:
-                t = resolve_tool(spec)
-            except (KeyError, TypeError) as e:
-                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-                raise ValueError(f"ToolEnvironment: tools: {msg}") from None
-            if t.name in self.tools and self.tools[t.name] is not t:
-                raise ValueError(f"ToolEnvironment: tools: two different tools named {t.name!r}")
+        for spec in cfg["tools"] or DEFAULT_TOOLS:  # resolvable and unambiguous: checked by ToolEnvConfig
+            t = resolve_tool(spec)
             self.tools[t.name] = t
         self.config = cfg
-        self.timeout_s = float(timeout)
-        self._stuck: dict[str, list[threading.Thread]] = {}
+        self.timeout_s = float(cfg["timeout_s"])
+        # Tool threads alive (running, or abandoned past their limit), in all and per tool, and the
+        # abandoned ones per tool; guarded by _slots, which a call's thread notifies when it ends.
+        self._slots = threading.Condition()
+        self._live = 0
+        self._live_by_tool: Counter[str] = Counter()
+        self._stuck: dict[str, list[_Call]] = {}
 
     # ------------------------------------------------------------------------------ helpers
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -216,36 +243,72 @@ class ToolEnvironment(EnvironmentInterface):
         return [t.schema() for t in self.tools.values()]
 
     def _stuck_count(self, name: str) -> int:
-        alive = [t for t in self._stuck.get(name, []) if t.is_alive()]
+        alive = [c for c in self._stuck.get(name, []) if not c.done]
         self._stuck[name] = alive
         return len(alive)
 
+    def _call_ended(self, call: _Call) -> None:  # on the call's thread
+        with self._slots:  # under the lock: a dispatcher never sees a call done whose slot is still taken
+            call.done = True
+            self._live -= 1
+            self._live_by_tool[call.tool.name] -= 1
+            self._slots.notify_all()
+
     def _run_calls(self, jobs: list[tuple[Tool, dict]]) -> list[tuple[str | None, str | None, bool]]:
-        """Run ``(tool, arguments)`` jobs concurrently; per job (payload, error, timed_out)."""
+        """Run ``(tool, arguments)`` jobs on at most ``max_concurrent_calls`` threads (at most
+        ``max_stuck_calls`` per tool), each for at most ``timeout_s``; per job (payload, error,
+        timed_out). A job waits for a slot until ``timeout_s`` after the start (then it fails with
+        an error), so this returns within 2 x ``timeout_s`` however many jobs there are; it fails at
+        once when every slot it could use is held by a call abandoned in an earlier step."""
+        cap, per_tool = self.config["max_concurrent_calls"], self.config["max_stuck_calls"]
         results: list[tuple[str | None, str | None, bool] | None] = [None] * len(jobs)
-        running: list[tuple[int, _Call, float]] = []
-        for k, (t, args) in enumerate(jobs):
-            stuck = self._stuck_count(t.name)
-            if stuck >= self.config["max_stuck_calls"]:
-                results[k] = (None, f"tool {t.name!r} is unavailable: {stuck} earlier calls are still running "
-                                    "past the time limit", False)
-                continue
-            call = _Call(t, args, self.config["max_response_chars"])
-            try:
-                call.thread.start()
-            except RuntimeError as e:  # cannot start a thread (resource limits)
-                results[k] = (None, f"tool could not be started ({e})", False)
-                continue
-            running.append((k, call, time.monotonic() + self.timeout_s))
-        for k, call, deadline in running:
-            call.thread.join(max(0.0, deadline - time.monotonic()))
-            if call.thread.is_alive():
-                self._stuck.setdefault(call.tool.name, []).append(call.thread)
-                results[k] = (None, f"tool {call.tool.name!r} timed out after {self.timeout_s:g} s", True)
-            elif call.error is not None:
-                results[k] = (None, call.error, False)
-            else:
-                results[k] = (call.payload, None, False)
+        waiting = list(range(len(jobs)))
+        running: dict[int, tuple[_Call, float]] = {}
+        start_by = time.monotonic() + self.timeout_s
+        with self._slots:
+            while waiting or running:
+                now = time.monotonic()
+                for k, (call, deadline) in list(running.items()):
+                    if call.done:
+                        results[k] = (None, call.error, False) if call.error is not None else (call.payload, None, False)
+                    elif now >= deadline:  # abandoned: its thread keeps its slot until it returns
+                        self._stuck.setdefault(call.tool.name, []).append(call)
+                        results[k] = (None, f"tool {call.tool.name!r} timed out after {self.timeout_s:g} s", True)
+                    else:
+                        continue
+                    del running[k]
+                still: list[int] = []
+                for k in waiting:
+                    t, args = jobs[k]
+                    stuck = self._stuck_count(t.name)
+                    if stuck >= per_tool:
+                        results[k] = (None, f"tool {t.name!r} is unavailable: {stuck} earlier calls are still "
+                                            "running past the time limit", False)
+                    elif self._live >= cap or self._live_by_tool[t.name] >= per_tool:
+                        still.append(k)  # a slot may free when a call of this step ends
+                    else:
+                        call = _Call(t, args, self.config["max_response_chars"], self._call_ended)
+                        try:
+                            call.thread.start()
+                        except RuntimeError as e:  # cannot start a thread (resource limits)
+                            results[k] = (None, f"tool could not be started ({e})", False)
+                            continue
+                        self._live += 1
+                        self._live_by_tool[t.name] += 1
+                        running[k] = (call, now + self.timeout_s)
+                waiting = still
+                if waiting and (not running or now >= start_by):
+                    # No call of this step will free a slot in time (the others are held by calls
+                    # abandoned earlier, which may never return): fail now instead of waiting.
+                    for k in waiting:
+                        results[k] = (None, f"tool call not run: {cap} tool calls already running "
+                                            "(raise env.tool.max_concurrent_calls for more at once)", False)
+                    waiting = []
+                if running:
+                    wake = min(d for _, d in running.values())
+                    if waiting:
+                        wake = min(wake, start_by)
+                    self._slots.wait(max(0.0, wake - time.monotonic()))
         return [r if r is not None else (None, "internal error", False) for r in results]
 
     # --------------------------------------------------------------------------------- step

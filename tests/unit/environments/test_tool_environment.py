@@ -5,6 +5,7 @@ through the environment to reward 1.0)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Optional
 
@@ -450,6 +451,96 @@ def test_hanging_tool_times_out_and_is_counted(test_tools) -> None:
     assert ret.observations[0]["content"] == "<tool_response>0.0</tool_response>"
 
 
+@pytest.fixture
+def hanging_tool():
+    """A tool ``nl_t_hang(x)`` that blocks until the test ends (then its threads all return)."""
+    release = threading.Event()
+
+    def nl_t_hang(x: int) -> int:
+        """Hangs."""
+        release.wait(60)
+        return x
+
+    register_tool(nl_t_hang, overwrite=True)
+    yield "nl_t_hang"
+    release.set()
+    for t in _tool_threads("nl_t_hang"):
+        t.join(5)
+    unregister_tool("nl_t_hang")
+
+
+def _tool_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"tool-{name}" and t.is_alive()]
+
+
+def test_a_tool_that_always_hangs_leaves_at_most_max_concurrent_calls_threads(hanging_tool) -> None:
+    """Item 13: 32 samples x 2 calls to a tool that never returns, 4 steps: at most 8 threads are
+    ever alive, and every step ends within 2 x timeout_s."""
+    timeout = 0.3
+    env = ToolEnvironment({"tools": ["nl_t_hang", "add"], "timeout_s": timeout, "max_concurrent_calls": 8,
+                           "max_stuck_calls": 8})
+    logs = [[user("q"), assistant(call("nl_t_hang", x=i) + call("nl_t_hang", x=-i))] for i in range(32)]
+    for step in range(4):
+        t0 = time.perf_counter()
+        ret = env.step(logs, [{"ground_truth": "1"}] * 32)
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 2 * timeout + 0.4, (step, elapsed)
+        assert len(_tool_threads("nl_t_hang")) <= 8
+        assert ret.metrics["num_tool_calls"] == 64 and ret.metrics["num_tool_errors"] == 64
+        assert ret.metrics["num_timeouts"] == (8 if step == 0 else 0)
+        assert ret.metrics["num_failures"] == 0 and ret.terminateds.tolist() == [False] * 32
+        text = "".join(o["content"] for o in ret.observations)
+        if step == 0:  # 8 ran and timed out; the other 56 waited for a slot, then found the tool stuck
+            assert text.count("timed out after 0.3 s") == 8 and text.count("is unavailable: 8 earlier calls") == 56
+        else:  # all 8 slots are held by the abandoned calls: failing at once, not waiting
+            assert text.count("is unavailable: 8 earlier calls") == 64 and elapsed < timeout
+    assert len(_tool_threads("nl_t_hang")) == 8
+
+
+def test_a_hanging_tool_holds_only_its_share_and_other_tools_still_run(hanging_tool) -> None:
+    env = ToolEnvironment({"tools": ["nl_t_hang", "add"], "timeout_s": 0.3, "max_concurrent_calls": 4,
+                           "max_stuck_calls": 2})
+    logs = [[user("q"), assistant(call("nl_t_hang", x=i) if i % 2 else call("add", a=i, b=1))] for i in range(32)]
+    for _ in range(3):
+        ret = env.step(logs, [{"ground_truth": "1"}] * 32)
+        assert len(_tool_threads("nl_t_hang")) <= 2
+        assert [o["content"] for o in ret.observations[::2]] == [f"<tool_response>{i + 1}</tool_response>"
+                                                                 for i in range(0, 32, 2)]
+        assert ret.metrics["num_tool_errors"] == 16
+    # When abandoned calls hold every slot, another tool's call fails at once, saying how to get more.
+    env = ToolEnvironment({"tools": ["nl_t_hang", "add"], "timeout_s": 0.3, "max_concurrent_calls": 2})
+    env.step([[user("q"), assistant(call("nl_t_hang", x=1) + call("nl_t_hang", x=2))]], [None])
+    t0 = time.perf_counter()
+    ret = env.step([[user("q"), assistant(call("add", a=1, b=1))]], [None])
+    assert time.perf_counter() - t0 < 0.2
+    assert "tool call not run: 2 tool calls already running" in ret.observations[0]["content"]
+    assert "max_concurrent_calls" in ret.observations[0]["content"]
+
+
+def test_many_slow_calls_share_the_slots_and_all_finish() -> None:
+    lock, state = threading.Lock(), {"now": 0, "peak": 0}
+
+    def nl_t_slow(x: int) -> int:
+        """Takes a while."""
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        time.sleep(0.05)
+        with lock:
+            state["now"] -= 1
+        return x
+
+    register_tool(nl_t_slow, overwrite=True)
+    try:
+        env = ToolEnvironment({"tools": ["nl_t_slow"], "timeout_s": 3.0, "max_concurrent_calls": 4})
+        logs = [[user("q"), assistant(call("nl_t_slow", x=i))] for i in range(32)]
+        ret = env.step(logs, [None] * 32)
+        assert [o["content"] for o in ret.observations] == [f"<tool_response>{i}</tool_response>" for i in range(32)]
+        assert ret.metrics["num_tool_errors"] == 0 and 1 <= state["peak"] <= 4
+    finally:
+        unregister_tool("nl_t_slow")
+
+
 def test_turn_limit_terminates(env: ToolEnvironment) -> None:
     c = call("add", a=1, b=1)
     obs = {"role": "tool", "content": "<tool_response>2</tool_response>"}
@@ -544,24 +635,39 @@ def test_metadata_shorter_than_batch(env: ToolEnvironment) -> None:
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"tools": ["add", "nope"]}, "tools: unknown tool 'nope'"),
-        ({"tools": "add"}, "tools must be a non-empty list"),
-        ({"tools": []}, "tools must be a non-empty list"),
+        ({"tools": ["add", "nope"]}, r"env\.tool\.tools: unknown tool 'nope'"),
+        ({"tools": "add"}, r"env\.tool\.tools: must be a non-empty list of tool names"),
+        ({"tools": []}, r"env\.tool\.tools: must be a non-empty list of tool names"),
         ({"tools": ["no_such_module_xyz.fn"]}, "not importable"),
-        ({"max_turns": 0}, "max_turns"),
-        ({"max_turns": 2.5}, "max_turns"),
-        ({"timeout_s": 0}, "timeout_s"),
-        ({"timeout_s": True}, "timeout_s"),
-        ({"require_tool_calls": "yes"}, "require_tool_calls"),
-        ({"call_match_reward": 1.0}, "call_match_reward must be a number in \\[0, 1\\)"),
-        ({"call_match_reward": "0.5"}, "call_match_reward"),
-        ({"max_calls_per_turn": -1}, "max_calls_per_turn"),
-        ({"tool": ["add"]}, "unknown config keys \\['tool'\\]"),
+        ({"max_turns": 0}, r"env\.tool\.max_turns: Input should be greater than or equal to 1"),
+        ({"max_turns": 2.5}, r"env\.tool\.max_turns: Input should be a valid integer"),
+        ({"timeout_s": 0}, r"env\.tool\.timeout_s: Input should be greater than 0"),
+        ({"timeout_s": True}, r"env\.tool\.timeout_s"),
+        ({"timeout_s": float("inf")}, r"env\.tool\.timeout_s: Input should be a finite number"),
+        ({"require_tool_calls": "yes"}, r"env\.tool\.require_tool_calls: Input should be a valid boolean"),
+        ({"call_match_reward": 1.0}, r"env\.tool\.call_match_reward: must be a number in \[0, 1\)"),
+        ({"call_match_reward": "0.5"}, r"env\.tool\.call_match_reward"),
+        ({"max_calls_per_turn": -1}, r"env\.tool\.max_calls_per_turn"),
+        ({"max_concurrent_calls": 0}, r"env\.tool\.max_concurrent_calls: Input should be greater than or equal to 1"),
+        ({"max_concurrent_calls": "8"}, r"env\.tool\.max_concurrent_calls: Input should be a valid integer"),
+        ({"tool": ["add"]}, r"env\.tool\.tool: unknown config key \(did you mean env\.tool\.tools\?\)"),
     ],
 )
 def test_bad_config_raises_clear_error(config: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ToolEnvironment(config)
+
+
+def test_typed_config_keeps_the_defaults() -> None:
+    from nemo_like.environments.tool_environment import ToolEnvConfig
+
+    assert ToolEnvironment.config_model is ToolEnvConfig
+    assert ToolEnvConfig().model_dump() == {
+        "step_timeout_s": None, "tools": None, "max_turns": 4, "timeout_s": 2.0, "require_tool_calls": False,
+        "call_match_reward": 0.0, "max_calls_per_turn": 4, "max_response_chars": 1000, "max_stuck_calls": 4,
+        "max_concurrent_calls": 8}
+    env = ToolEnvironment({"timeout_s": 3, "step_timeout_s": 30.0})  # an int is a number; a trainer-side key
+    assert env.timeout_s == 3.0 and "step_timeout_s" not in env.config
 
 
 def test_config_defaults_and_import_path_tools() -> None:
