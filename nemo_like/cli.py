@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: bad input exits with code 2 and one line that names the problem."""
+"""Shared CLI plumbing: bad input exits with code 2 and one line that names the problem; a run that
+cannot learn (an environment that does not start, grading that keeps failing) exits with code 1."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
 
 def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterConfig], None]) -> int:
     from nemo_like.data.datasets import DataError
+    from nemo_like.environments.supervision import EnvironmentFailureError, EnvironmentStartError
 
     try:
         path, overrides = parse_cli(argv, default_config)
@@ -23,6 +25,9 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterCo
     except (DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (EnvironmentStartError, EnvironmentFailureError) as e:  # the run cannot learn: say why, once
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

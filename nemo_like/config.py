@@ -52,6 +52,11 @@ class GRPOConfig(_Strict):
     reuse_generation_logprobs: bool | Literal["auto"] = "auto"
     # While reusing, recompute every this many steps (0: never) so the mismatch stays measured.
     logprob_check_period: int = Field(10, ge=0)
+    # A task whose every sample could not be graded (the environment raised, timed out or died) this
+    # many steps in a row stops the run: it would train on nothing. 0: never stop.
+    max_consecutive_env_failures: int = Field(3, ge=0)
+    # Time limit of one environment step call, unless env.<name>.step_timeout_s sets its own.
+    env_step_timeout_s: float = Field(600.0, gt=0)
     seed: int = 42
 
 

@@ -15,7 +15,7 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentReturn
-from nemo_like.environments.supervision import first_line_of_error
+from nemo_like.environments.supervision import START_TIMEOUT_S, first_line_of_error
 from nemo_like.models.generation.interfaces import GenerationInterface
 
 
@@ -94,16 +94,18 @@ def calculate_rewards(message_logs: list[list[dict]], task_names: list[str], env
 
 
 def _restart(actor: Any, fut: Any) -> None:
-    """Cancel the hung call first (else Ray retries it on the restarted actor), then kill the
-    actor's process so Ray starts a fresh one (its ``max_restarts`` allows it)."""
+    """Cancel the hung call first (else Ray retries it on the restarted actor), kill the actor's
+    process so Ray starts a fresh one (its ``max_restarts`` allows it), and wait until it is up:
+    the next step's time limit must not be spent on the restart."""
     try:
         ray.cancel(fut)
     except Exception:
         pass
     try:
         ray.kill(actor, no_restart=False)
-    except Exception as e:  # already dead: the next call finds out and is counted then
-        print(f"[nemo_like] could not restart a hung environment actor: {e!r}")
+        ray.get(actor.__ray_ready__.remote(), timeout=START_TIMEOUT_S)
+    except Exception as e:  # could not come back: the next call finds out and is counted then
+        print(f"[nemo_like] could not restart a hung environment actor: {first_line_of_error(e)}")
 
 
 def _turn_closer(tokenizer) -> str:
