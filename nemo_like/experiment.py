@@ -11,11 +11,21 @@ It wraps the same `GRPOTrainer` the CLI uses (`grpo_train` is the only training 
 the policy workers and the environment actors alive between calls, and frees what it started on
 `close()`. Building a new experiment closes any experiment still open in this process first, so
 re-running a notebook cell neither leaks actors nor waits forever for CPUs the old one holds.
+
+Reward functions added from code live in the constructor arguments of their task's actor (a new
+actor is built with the whole list on every change), so they survive Ray restarting that actor
+(a crash, or a step past its time limit). They are also listed in
+``<checkpoint_dir>/experiment_reward_fns.json``: a resumed experiment adds back the ones importable by
+path (or given by registered name) and warns about the others (lambdas, functions of a notebook,
+``__main__`` or a function body), which must be added again.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +36,39 @@ from nemo_like.config import ConfigError, MasterConfig, apply_overrides, load_co
 __all__ = ["GRPOExperiment"]
 
 _OPEN: list[weakref.ref] = []  # experiments not yet closed, oldest first
+# In checkpoint_dir, beside the step_<N> folders: the reward functions added from code, for resume.
+REWARD_FNS_FILE = "experiment_reward_fns.json"
+
+
+def _import_path(fn: Any) -> str | None:
+    """``"module:name"`` that imports back to ``fn`` in a fresh process, or None: a lambda, a closure,
+    a method, or a function of ``__main__`` (a script or a notebook cell) cannot be found by path."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__":
+        return None
+    if not qualname.isidentifier():  # "<lambda>", "f.<locals>.g", "Class.method"
+        return None
+    try:
+        found = getattr(importlib.import_module(module), qualname)
+    except Exception:  # noqa: BLE001 - any failure means "not restorable"
+        return None
+    return f"{module}:{qualname}" if found is fn else None
+
+
+def _restorable_ref(fn: Callable | str) -> str | None:
+    """What a fresh process can resolve ``fn`` from: an import path, else the registered name it was
+    given by (built-in names are registered on import), else None."""
+    from nemo_like.environments.reward_fn_environment import get_reward_fn
+
+    if isinstance(fn, str) and ("." in fn or ":" in fn):
+        return fn
+    return _import_path(get_reward_fn(fn)) or (fn if isinstance(fn, str) else None)
+
+
+def _label(spec: dict) -> str:
+    fn = spec["fn"]
+    where = fn if isinstance(fn, str) else getattr(fn, "__qualname__", type(fn).__name__)
+    return f"{spec['name']!r} ({where})" if spec.get("name") else repr(where)
 
 
 def _to_config(config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None) -> MasterConfig:
@@ -47,8 +90,11 @@ class GRPOExperiment:
     def __init__(self, config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
                  resume: bool = True):
         from nemo_like.algorithms.grpo import setup
+        from nemo_like.utils.checkpoint import CheckpointManager
 
         cfg = _to_config(config, overrides)
+        resuming = resume and cfg.checkpointing.enabled and CheckpointManager(
+            cfg.checkpointing, cleanup_stale=False).get_latest_checkpoint_path() is not None
         for ref in list(_OPEN):
             old = ref()
             if old is not None and not old.closed:
@@ -56,9 +102,15 @@ class GRPOExperiment:
                 old.close()
         _OPEN[:] = [r for r in _OPEN if r() is not None and not r().closed]
         self.closed = False
-        self._fn_tasks: set[str] = set()
+        # task -> its reward functions ({fn, weight, name}), for tasks whose functions were changed
+        # from code; the task's actor was built with exactly this list.
+        self._reward_fns: dict[str, list[dict[str, Any]]] = {}
         self.trainer = setup(cfg, resume=resume)
         _OPEN.append(weakref.ref(self))
+        if resuming:
+            self._restore_reward_fns()
+        elif cfg.checkpointing.enabled:  # a fresh run: a list left by an earlier run is not this run's
+            Path(cfg.checkpointing.checkpoint_dir, REWARD_FNS_FILE).unlink(missing_ok=True)
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
@@ -101,8 +153,11 @@ class GRPOExperiment:
         return self.trainer.validate(log=True)
 
     # ---- rewards ---------------------------------------------------------------------------------
+    def _tasks(self) -> list[str]:
+        return sorted({c.task_name for c in self.config.data.train_list + self.config.data.validation_list})
+
     def _task(self, task: str | None) -> str:
-        tasks = sorted({c.task_name for c in self.config.data.train_list + self.config.data.validation_list})
+        tasks = self._tasks()
         if task is None:
             if len(tasks) != 1:
                 raise ValueError(f"this run has several tasks {tasks}: name one with task=...")
@@ -117,42 +172,116 @@ class GRPOExperiment:
         with the other functions added to it). The first function added to a task replaces the
         task's environment by a reward-function environment (add ``"math_accuracy"`` too to keep
         rewarding correct answers). Returns the task's function names."""
-        import ray
-
-        from nemo_like.environments.registry import create_env_actor
         from nemo_like.environments.reward_fn_environment import get_reward_fn
 
         self._check_open()
         task = self._task(task)
-        fn = get_reward_fn(fn)  # a clear error here, not inside the actor
-        env = self.trainer.envs[task]
-        if task not in self._reward_fn_tasks():
-            env = create_env_actor("reward_fn", {"timeout_s": self.config.env.get("reward_fn", {}).get("timeout_s", 30.0)})
-            self.trainer.set_env(task, env)
-            self._fn_tasks = self._fn_tasks | {task}
+        get_reward_fn(fn)  # a clear error here, not inside the actor
+        replacing = task not in self._reward_fn_tasks()
+        names = self._set_reward_fns(task, self._task_reward_fns(task) + [{"fn": fn, "weight": weight, "name": name}])
+        if replacing:
             print(f"[nemo_like] task {task!r} is now graded by reward functions instead of its environment")
-        return ray.get(env.add_reward_fn.remote(fn, weight, name))
-
-    def _reward_fn_tasks(self) -> set[str]:
-        """Tasks whose actor is a RewardFnEnvironment (from the config, or made so by add_reward_fn)."""
-        from nemo_like.environments.registry import get_env_class
-        from nemo_like.environments.reward_fn_environment import RewardFnEnvironment
-
-        tasks = set(self._fn_tasks)
-        for c in self.config.data.train_list + self.config.data.validation_list:
-            if issubclass(get_env_class(c.env_name), RewardFnEnvironment):
-                tasks.add(c.task_name)
-        return tasks
+        return names
 
     def clear_reward_fns(self, task: str | None = None) -> None:
         """Forget the reward functions of ``task`` (its samples are unscorable until one is added)."""
-        import ray
-
         self._check_open()
         task = self._task(task)
         if task not in self._reward_fn_tasks():
             raise ValueError(f"task {task!r} is graded by an environment, not reward functions")
-        ray.get(self.trainer.envs[task].clear_reward_fns.remote())
+        self._set_reward_fns(task, [])
+
+    def _reward_fn_tasks(self) -> set[str]:
+        """Tasks whose actor is a RewardFnEnvironment (from the config, or made so by add_reward_fn)."""
+        tasks = set(self._reward_fns)
+        for c in self.config.data.train_list + self.config.data.validation_list:
+            if self._configured_reward_fns(c.task_name) is not None:
+                tasks.add(c.task_name)
+        return tasks
+
+    def _configured_reward_fns(self, task: str) -> list[dict[str, Any]] | None:
+        """The reward functions the config gives ``task``, or None when it is graded by another environment."""
+        from nemo_like.algorithms.grpo import env_config
+        from nemo_like.environments.registry import get_env_class
+        from nemo_like.environments.reward_fn_environment import RewardFnEnvironment
+
+        ds_cfg = next(c for c in self.config.data.train_list + self.config.data.validation_list if c.task_name == task)
+        if not issubclass(get_env_class(ds_cfg.env_name), RewardFnEnvironment):
+            return None
+        return list(env_config(self.config, ds_cfg).get("reward_fns") or [])
+
+    def _task_reward_fns(self, task: str) -> list[dict[str, Any]]:
+        if task in self._reward_fns:
+            return list(self._reward_fns[task])
+        return self._configured_reward_fns(task) or []
+
+    def _set_reward_fns(self, task: str, specs: list[dict[str, Any]]) -> list[str]:
+        """Grade ``task`` by a new actor built with ``specs`` (so a restart rebuilds them: Ray keeps
+        an actor's constructor arguments, callables included); returns its function names."""
+        import ray
+
+        from nemo_like.environments.registry import create_env_actor
+        from nemo_like.environments.reward_fn_environment import RewardFnEnvironment
+
+        options = {k: v for k, v in self.config.env.get("reward_fn", {}).items() if k != "reward_fns"}
+        config = {**options, "reward_fns": [dict(s) for s in specs]}
+        RewardFnEnvironment(config)  # a bad weight or name fails here, before the task's actor is replaced
+        actor = create_env_actor("reward_fn", config)
+        try:  # the functions reached the actor (cloudpickle) and it started
+            names = ray.get(actor.reward_fn_names.remote(), timeout=300)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        self.trainer.set_env(task, actor)
+        self._reward_fns[task] = [dict(s) for s in specs]
+        self._save_reward_fns()
+        return names
+
+    def _save_reward_fns(self) -> None:
+        """The functions of each changed task, as a fresh process can find them (``ref`` None: it
+        cannot), written atomically to ``<checkpoint_dir>/experiment_reward_fns.json``."""
+        if not self.config.checkpointing.enabled:
+            return
+        tasks = {task: [{"ref": _restorable_ref(s["fn"]), "label": _label(s), "weight": s.get("weight", 1.0),
+                         "name": s.get("name")} for s in specs] for task, specs in self._reward_fns.items()}
+        path = Path(self.checkpoint_dir, REWARD_FNS_FILE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"tasks": tasks}, indent=1))
+        os.replace(tmp, path)
+
+    def _restore_reward_fns(self) -> None:
+        """After a resume: add back the functions a fresh process can import; warn about the rest."""
+        path = Path(self.checkpoint_dir, REWARD_FNS_FILE)
+        try:
+            saved = json.loads(path.read_text())["tasks"] if path.exists() else {}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"{path}: unreadable ({e!r}); reward functions added from code were not restored",
+                          stacklevel=3)
+            return
+        known = self._tasks()
+        lost: list[str] = []
+        for task, entries in saved.items():
+            if task not in known:
+                continue
+            keep = [{"fn": e["ref"], "weight": e["weight"], "name": e["name"]} for e in entries if e.get("ref")]
+            missing = [e["label"] for e in entries if not e.get("ref")]
+            if missing:
+                lost.append(f"task {task!r}: {', '.join(missing)}" + ("" if keep else " (until then it is graded as "
+                                                                                   "configured)"))
+                if not keep:
+                    continue
+            try:
+                names = self._set_reward_fns(task, keep)
+                print(f"[nemo_like] task {task!r}: reward functions restored: {names}")
+            except Exception as e:  # noqa: BLE001 - e.g. a module deleted since: say so, go on as configured
+                warnings.warn(f"reward functions of task {task!r} not restored ({e}); it is graded as configured",
+                              stacklevel=3)
+        if lost:
+            warnings.warn("reward functions added with add_reward_fn were not restored, since they cannot be "
+                          "imported by path (a lambda, or a function defined in a notebook, __main__ or inside "
+                          f"another function): {'; '.join(lost)}. Add them again with exp.add_reward_fn(...).",
+                          stacklevel=3)
 
     # ---- looking at the run ----------------------------------------------------------------------
     @property

@@ -4,12 +4,14 @@ in the test (as in a notebook cell), save/resume equivalence, and no leaked acto
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
 import torch
 
 from nemo_like import GRPOExperiment
+from nemo_like.environments.reward_fn_environment import boxed_format
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
@@ -99,16 +101,29 @@ def test_reward_fns_written_in_a_cell_replace_and_combine(exp):
 
     names = exp.add_reward_fn(lambda completions, **_: [0.5] * len(completions), weight=2.0, name="const")
     assert names == ["const"]
+    # Item 9: Ray restarts a crashed (or hung, see rollouts) grader by re-running its constructor;
+    # the function added from code must still be there afterwards.
+    actor = exp.trainer.envs["math"]
+    pid_and_names = lambda: ray.get(actor.__ray_call__.remote(lambda self: (os.getpid(), self.reward_fn_names())),  # noqa: E731
+                                    timeout=120)
+    pid, _ = pid_and_names()
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + 60
+    while (now := pid_and_names())[0] == pid and time.monotonic() < deadline:  # ray.kill is asynchronous
+        time.sleep(0.2)
+    assert now[0] != pid and now[1] == ["const"]
     m = exp.step()
     assert m["train/reward_mean"] == pytest.approx(1.0)  # 2.0 * 0.5 for every sample
     assert m["train/advantage_abs_mean"] == 0.0  # equal rewards in every group: no signal
     assert exp.add_reward_fn(length_reward, task="math") == ["const", "length_reward"]
 
     exp.clear_reward_fns()
+    exp.add_reward_fn(lambda completions, **_: [float("inf")] * len(completions), name="inf")
     exp.add_reward_fn(lambda completions, **_: 1 / 0, name="broken")
     exp.add_reward_fn(lambda completions, **_: [None] * len(completions), name="abstains")
     m = exp.step()
     assert m["train/env/math/broken/num_errors"] == 1.0
+    assert m["train/env/math/inf/num_invalid_values"] == 16.0  # item 12: counted per sample, scored 0
     assert m["train/unscorable_frac"] == 0.0 and m["train/reward_mean"] == 0.0  # broken scored 0
 
     exp.clear_reward_fns()
@@ -141,10 +156,17 @@ def test_save_and_resume_continue_the_same_run(ray_session, tmp_path):
     assert ckpt.name == "step_2"
     sampler_state = dict(a.trainer.sampler.state_dict())
     next_idx = a.trainer.sampler.next_indices(4)
+    # Reward functions added from code: by import path (a callable found by path, a registered name)
+    # they come back after resume; a lambda cannot, and the warning names it.
+    a.add_reward_fn(boxed_format, weight=0.5)
+    a.add_reward_fn("math_accuracy")
+    a.add_reward_fn(lambda completions, **_: [1.0] * len(completions), name="const")
     a.close()
 
-    b = GRPOExperiment.resume(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match=r"not restored.*task 'math': 'const' \([^)]*<lambda>\)\. Add them again"):
+        b = GRPOExperiment.resume(tmp_path / "ckpt")
     try:
+        assert ray.get(b.trainer.envs["math"].reward_fn_names.remote(), timeout=120) == ["boxed_format", "math_accuracy"]
         assert b.step_count == 2
         assert b.trainer.sampler.state_dict() == sampler_state
         assert b.trainer.sampler.next_indices(4) == next_idx  # same data order
