@@ -196,7 +196,7 @@ def test_builtin_tools_and_schemas() -> None:
 
 
 def test_schema_derivation_from_hints_and_docstring() -> None:
-    def fancy(n: int, x: float, s: str, flag: bool, items: list, ids: list[int], maybe: Optional[str] = None,
+    def fancy(n: int, x: float, s: str, flag: bool, items: list, ids: list[int], maybe: Optional[str] = None,  # noqa: UP045 - Optional[T] itself is under test
               scale: float = 1.0) -> str:
         """Do a fancy thing.
 
@@ -794,9 +794,9 @@ def test_tool_processors(task_splits) -> None:
 # ================================================================================ on Ray
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-
     import ray
+
+    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
 
     started = init_ray(num_cpus=2)
     yield ray
