@@ -222,13 +222,15 @@ class GRPOExperiment:
 
         from nemo_like.environments.registry import create_env_actor
         from nemo_like.environments.reward_fn_environment import RewardFnEnvironment
+        from nemo_like.environments.supervision import wait_for_env_actors
 
         options = {k: v for k, v in self.config.env.get("reward_fn", {}).items() if k != "reward_fns"}
         config = {**options, "reward_fns": [dict(s) for s in specs]}
         RewardFnEnvironment(config)  # a bad weight or name fails here, before the task's actor is replaced
         actor = create_env_actor("reward_fn", config)
-        try:  # the functions reached the actor (cloudpickle) and it started
-            names = ray.get(actor.reward_fn_names.remote(), timeout=300)
+        try:  # the functions reached the actor (cloudpickle: a module the worker cannot import fails here)
+            wait_for_env_actors({task: actor}, {task: "reward_fn"})
+            names = ray.get(actor.reward_fn_names.remote(), timeout=60)
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
