@@ -4,21 +4,33 @@ Isolation (the default, "bwrap" mode; needs bubblewrap: ``apt-get install -y bub
 --------------------------------------------------------------------------------------------
 Every program runs in a fresh ``bwrap`` container:
 
-* **files**: the host root is mounted read-only; ``/tmp`` (the cwd) and ``/dev/shm`` are private,
-  size-capped tmpfs that vanish with the run; the homes (``/root``, ``/home``), ``/work``, ``/run``
-  (docker secrets), ``/var/tmp``, ``/mnt``, ``/media``, ``/srv``, the project directory, the
-  trainer's cwd and temp dir are hidden behind empty tmpfs. Only the interpreter's own install is
-  bound back (read-only) when it lives under a hidden directory.
+* **files** (:mod:`~nemo_like.environments.sandbox_mounts`): an allowlist. The root is empty; the
+  system directories (``/usr``, ``/etc``, ``/bin``, ``/lib*``), the few files and directories the
+  interpreter needs and the config's ``extra_ro_binds`` are mounted read-only; ``/tmp`` (the cwd)
+  and ``/dev/shm`` are private tmpfs capped at ``tmp_size_mb`` each (bwrap ``--size``; a bwrap
+  without it is refused) and vanish with the run. ``/opt``, ``/srv``, ``/data``, homes, ``/work``,
+  the host ``/tmp`` (Ray's sockets), ``/run`` and the rest do not exist in there; the project, the
+  model caches, the trainer's cwd and home are masked wherever they fall inside something visible.
 * **namespaces**: new network (loopback only: nothing outside, not even the host's localhost, is
   reachable), pid (the program sees only its own processes, so it cannot signal the trainer), ipc,
   uts and cgroup namespaces.
+* **syscalls** (:mod:`~nemo_like.environments.sandbox_seccomp`): a seccomp filter refuses new
+  user/mount/... namespaces (``unshare``, ``setns``, namespace flags of ``clone``), ``mount`` and
+  its kin, keyrings, BPF, ptrace, perf events, io_uring, module loading; ``clone3`` says ENOSYS so
+  libc falls back to the filterable ``clone``.
 * **environment**: ``PATH``, ``LANG`` and ``HOME`` only; nothing (no secrets) inherited from the trainer.
-* **privileges**: as root, bwrap runs privileged (no user namespace) and the trusted prelude drops to
-  a *fresh unprivileged uid per run* before any untrusted code: RLIMIT_NPROC is not enforced for
-  root, while for a fresh uid it counts exactly this run's processes; the program can then read only
-  world-readable files and cannot signal anything outside. As a normal user, bwrap runs unprivileged
-  in a new user namespace (RLIMIT_NPROC then counts per namespace) with nested user namespaces
-  disabled where bwrap supports it. bwrap always sets ``no_new_privs``.
+* **privileges**: as root, bwrap runs privileged (no user namespace) with every capability dropped
+  (``--cap-drop ALL``: bwrap keeps them all by default) but the two the trusted prelude needs to
+  switch to a *fresh unprivileged uid per run* before any untrusted code (after which it holds
+  none). RLIMIT_NPROC is not enforced for root, while for a fresh uid it counts exactly this run's
+  processes; the program can read only world-readable files and cannot signal anything outside.
+  As a normal user, bwrap runs unprivileged in a new user namespace (RLIMIT_NPROC then counts per
+  namespace) with nested user namespaces disabled where bwrap supports it. bwrap always sets
+  ``no_new_privs``, so no exec can regain a capability.
+* **memory** (:mod:`~nemo_like.environments.sandbox_memory`): ``memory_limit_mb`` caps the run,
+  all its processes together: a cgroup v2 ``memory.max`` where the machine delegates one
+  (``memory_mode == "cgroup"``), else RLIMIT_AS of ``memory_limit_mb / max_processes`` per process
+  with RLIMIT_NPROC = ``max_processes`` (``"rlimit"``).
 * **rlimits** (set by the prelude before untrusted code): CPU seconds, address space, processes,
   file size, open files, no core dumps.
 * **wall clock**: each run is its own process group (``start_new_session``); on timeout the group is
@@ -30,18 +42,19 @@ Every program runs in a fresh ``bwrap`` container:
 
 Unsandboxed mode (``allow_unsandboxed=True`` and no usable bwrap) runs the same prelude directly with
 the rlimits, a clean environment, a fresh temp dir as cwd and the process-group kill, but with NO
-file, network or process isolation. It exists for machines where bubblewrap cannot be installed;
-it warns once. Never point it at a model you do not trust.
+file, network, syscall or process isolation. It exists for machines where bubblewrap cannot be
+installed; it warns once. Never point it at a model you do not trust.
 
 Grading protocol
 ----------------
-The trainer sends ``{nonce, program, tests, limits, uid}`` as JSON on stdin to a small trusted
-prelude (:data:`_PRELUDE`), which sets the limits, drops privileges, runs ``program`` in a fresh
-namespace dict (``__name__ == "__solution__"``, as in HumanEval, so an ``if __name__ == "__main__":``
-block does not run), then each test snippet in that namespace, each independently. Results go out on
-a private channel (the original stderr pipe; the program's stderr goes to stdout) as lines tagged
-with a random per-run nonce; a run counts only if the prelude reports reaching the end ("done").
-Exiting early (``sys.exit``, ``os._exit``), crashing or exceeding a limit therefore scores 0.
+The trainer sends ``{nonce, program, tests, limits, thread_stack, uid}`` as JSON on stdin to a small
+trusted prelude (:data:`_PRELUDE`), which sets the limits, drops privileges, runs ``program`` in a
+fresh namespace dict (``__name__ == "__solution__"``, as in HumanEval, so an ``if __name__ ==
+"__main__":`` block does not run), then each test snippet in that namespace, each independently.
+Results go out on a private channel (the original stderr pipe; the program's stderr goes to stdout)
+as lines tagged with a random per-run nonce; a run counts only if the prelude reports reaching the
+end ("done"). Exiting early (``sys.exit``, ``os._exit``), crashing or exceeding a limit therefore
+scores 0.
 
 Limitation: the program and its tests share one interpreter, so a program written to attack the
 harness itself (e.g. walking the garbage collector to find the nonce, or returning objects whose
@@ -57,10 +70,9 @@ import logging
 import math
 import os
 import secrets
-import selectors
 import shutil
-import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -69,23 +81,17 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from nemo_like.environments.sandbox_prelude import PRELUDE as _PRELUDE
-from nemo_like.environments.sandbox_prelude import RESULT_LINE_CAP as _RESULT_LINE_CAP
 from nemo_like.environments.sandbox_config import (
-    _describe_exit,
-    _exited,
-    _open_init_pidfd,
-    _SAFE_ENV,
     BWRAP_INSTALL_HINT,
     SandboxConfig,
     SandboxResult,
     SandboxUnavailableError,
-    _bwrap_version,
-    _default_python,
-    _hidden_roots,
-    _interpreter_dirs,
-    _is_within,
 )
+from nemo_like.environments.sandbox_memory import THREAD_STACK_BYTES, RunCgroup, find_cgroup_parent
+from nemo_like.environments.sandbox_mounts import SAFE_ENV, filesystem_args, probe_interpreter, sensitive_dirs
+from nemo_like.environments.sandbox_prelude import PRELUDE as _PRELUDE
+from nemo_like.environments.sandbox_run import RunState, communicate, interpret, kill_run
+from nemo_like.environments.sandbox_seccomp import UnsupportedArchError, seccomp_filter
 
 __all__ = [
     "SandboxConfig",
@@ -101,6 +107,8 @@ logger = logging.getLogger(__name__)
 # When the trainer is root, each run gets a fresh uid from this range (above systemd's container
 # ranges, below 2**31): RLIMIT_NPROC then counts only that run's processes.
 _UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
+# bwrap options the sandbox cannot do without: --size caps the tmpfs mounts (their pages are RAM)
+_REQUIRED_BWRAP_OPTIONS = ("--size", "--seccomp", "--info-fd", "--die-with-parent", "--clearenv")
 
 _warned_unsandboxed = False
 _warn_lock = threading.Lock()
@@ -121,6 +129,20 @@ def _warn_unsandboxed_once(reason: str) -> None:
     logger.warning(msg)
 
 
+def _default_python() -> str:
+    """The real interpreter behind this process (through venv symlinks): it runs isolated (-I -S)."""
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    return os.path.realpath(base)
+
+
+def _bwrap_help(bwrap: str) -> str:
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10, env=SAFE_ENV)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout + out.stderr if out.returncode == 0 else ""
+
+
 # ------------------------------------------------------------------------------------ sandbox
 class Sandbox:
     """Runs programs (plus optional test snippets) under :class:`SandboxConfig`'s limits.
@@ -128,6 +150,8 @@ class Sandbox:
     Thread-safe: at most ``config.max_concurrency`` runs execute at once, whichever threads call
     :meth:`run`. Construction checks that the sandbox really works (one tiny run) and raises
     :class:`SandboxUnavailableError` with the reason if not, unless ``allow_unsandboxed``.
+    ``mode`` is "bwrap" or "unsandboxed"; ``memory_mode`` is "cgroup", "rlimit" or "none" (see
+    :mod:`~nemo_like.environments.sandbox_memory`), ``memory_mode_reason`` says why.
     """
 
     def __init__(self, config: SandboxConfig | None = None, **overrides: Any) -> None:
@@ -138,14 +162,25 @@ class Sandbox:
         if not isinstance(config, SandboxConfig):
             raise TypeError(f"Sandbox config must be a SandboxConfig, got {type(config).__name__}")
         self.config = config
-        self.python = config.python_executable or _default_python()
+        self.python = os.path.realpath(config.python_executable or _default_python())
         self._slots = threading.BoundedSemaphore(config.max_concurrency)
         self._active_lock = threading.Lock()
         self._active = 0
         self.peak_concurrency = 0  # most runs seen executing at once (for monitoring and tests)
         self._is_root = os.geteuid() == 0
+        self._cgroup_parent: str | None = None
+        if config.memory_limit_mb == 0:
+            self.memory_mode, self.memory_mode_reason = "none", "memory_limit_mb is 0"
+        else:
+            try:
+                self._cgroup_parent, why = find_cgroup_parent(config.cgroup_parent)
+            except ValueError as e:  # a configured cgroup_parent that does not work
+                raise SandboxUnavailableError(str(e)) from None
+            self.memory_mode = "cgroup" if self._cgroup_parent else "rlimit"
+            self.memory_mode_reason = why
         self.mode = "bwrap"
         self._bwrap_argv_head: list[str] = []
+        self._seccomp = b""
         reason = self._setup_bwrap()
         if reason is not None:
             if not config.allow_unsandboxed:
@@ -156,8 +191,14 @@ class Sandbox:
                 )
             _warn_unsandboxed_once(reason)
             self.mode = "unsandboxed"
+            if self._is_root and self.memory_mode == "rlimit":
+                # no fresh uid without bwrap, and RLIMIT_NPROC does not bind root
+                self.memory_mode_reason += "; unsandboxed as root, processes are not counted: the cap holds per process only"
             if not os.access(self.python, os.X_OK):
                 raise SandboxUnavailableError(f"the sandbox interpreter {self.python!r} is not executable")
+        logger.info(
+            "code sandbox: %s, memory cap per run: %s (%s)", self.mode, self.memory_mode, self.memory_mode_reason
+        )
 
     # -------------------------------------------------------------------------- bwrap setup
     def _setup_bwrap(self) -> str | None:
@@ -171,53 +212,32 @@ class Sandbox:
             bwrap = shutil.which("bwrap") or ""
             if not bwrap:
                 return "bubblewrap (`bwrap`) is not installed (not found on PATH)"
-        version = _bwrap_version(bwrap)
+        usage = _bwrap_help(bwrap)
+        if "--ro-bind" not in usage:
+            return f"bubblewrap at {bwrap!r} does not work here: `{bwrap} --help` failed"
+        missing = [opt for opt in _REQUIRED_BWRAP_OPTIONS if opt not in usage]
+        if missing:
+            return (
+                f"bubblewrap at {bwrap!r} is too old: it lacks {', '.join(missing)} (--size is how the sandbox "
+                "caps its RAM-backed /tmp and /dev/shm; --seccomp how it forbids namespaces and mounts)"
+            )
         try:
-            interpreter_dirs = _interpreter_dirs(self.python)
-        except SandboxUnavailableError as e:
+            self._seccomp = seccomp_filter()
+            view = probe_interpreter(self.python)
+        except (UnsupportedArchError, RuntimeError) as e:
             return str(e)
-        hidden = _hidden_roots(cfg.hidden_paths)
-        size = ["--size", str(cfg.tmp_size_mb << 20)] if version >= (0, 7) else []
         argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         if self._is_root:
-            # privileged bwrap without a user namespace; the prelude needs these two to drop to the
-            # run's uid (after which it holds no capabilities at all)
-            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            # privileged bwrap without a user namespace keeps ALL of root's capabilities unless told
+            # otherwise: keep only the two the prelude needs to switch to the run's uid (after which
+            # it holds none, and no_new_privs stops any exec from regaining some)
+            argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
-            argv += ["--unshare-user"] + (["--disable-userns"] if version >= (0, 8) else [])
-        argv += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        argv += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "1777", *size, "--tmpfs", "/dev/shm"]
-        # hidden dirs containing the interpreter are mounted first, the interpreter is bound back
-        # into them, and hidden dirs inside the interpreter's install (odd, but possible) come last
-        hidden = [h for h in hidden if h not in interpreter_dirs]
-        outer = [h for h in hidden if not any(_is_within(h, d) for d in interpreter_dirs)]
-        inner = [h for h in hidden if h not in outer]
-        for h in outer:
-            argv += ["--tmpfs", h]
-        made: set[str] = set()
-        for d in interpreter_dirs:
-            roots = [h for h in ["/tmp", *outer] if _is_within(d, h) and h != d]
-            if not roots:
-                continue  # visible through the read-only root already
-            # recreate the path's directories world-traversable (bwrap would make them 0700,
-            # which the dropped uid could not enter), then bind the install back read-only
-            root = max(roots, key=len)
-            rel = os.path.relpath(d, root).split(os.sep)
-            cur = root
-            for part in rel[:-1]:
-                cur = os.path.join(cur, part)
-                if cur not in made:
-                    made.add(cur)
-                    argv += ["--perms", "0755", "--dir", cur]
-            argv += ["--ro-bind", d, d]
-        for h in inner:
-            argv += ["--tmpfs", h]
-        for h in outer + inner:  # empty and read-only: no writing to (RAM-backed) hidden dirs either
-            argv += ["--remount-ro", h]
-        argv += ["--chdir", "/tmp"]
-        if version >= (0, 6):
-            argv += ["--clearenv"]
-        for k, v in {**_SAFE_ENV, "HOME": "/tmp"}.items():
+            argv += ["--unshare-user"] + (["--disable-userns"] if "--disable-userns" in usage else [])
+        argv += ["--die-with-parent", "--new-session"]
+        argv += filesystem_args(view, cfg.extra_ro_binds, sensitive_dirs(cfg.hidden_paths), cfg.tmp_size_mb << 20)
+        argv += ["--chdir", "/tmp", "--clearenv"]
+        for k, v in {**SAFE_ENV, "HOME": "/tmp"}.items():
             argv += ["--setenv", k, v]
         self._bwrap_argv_head = argv
         # self-test: a real run, which imports a module after the privilege drop
@@ -295,23 +315,35 @@ class Sandbox:
         cfg = self.config
         nonce = secrets.token_hex(16)
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if (self._is_root and self.mode == "bwrap") else None
-        payload = json.dumps(
-            {"nonce": nonce, "program": program, "tests": tests, "limits": cfg.limits(timeout), "uid": uid}
-        ).encode()
-        env = {**_SAFE_ENV, "HOME": "/tmp"}
+        payload = json.dumps({
+            "nonce": nonce, "program": program, "tests": tests, "limits": cfg.limits(timeout, self.memory_mode),
+            "thread_stack": THREAD_STACK_BYTES if self.memory_mode == "rlimit" else 0, "uid": uid,
+        }).encode()
+        env = {**SAFE_ENV, "HOME": "/tmp"}
         workdir = None
-        info_r = info_w = -1
+        pipes: list[int] = []  # fds of this process to close once the run has started
+        info_r = -1
         argv = self._argv()
-        if self.mode == "bwrap":
-            # bwrap reports the pid of the container's init on this pipe; killing that init takes
-            # down every process in the container, and its exit means they are all gone
-            info_r, info_w = os.pipe()
-            argv = [argv[0], "--info-fd", str(info_w), *argv[1:]]
-        else:
-            workdir = tempfile.mkdtemp(prefix="nemo_like_sbx_")
-            env["HOME"] = env["TMPDIR"] = workdir
-        start = time.monotonic()
+        cgroup = None
         try:
+            if self._cgroup_parent is not None:
+                cgroup = RunCgroup(self._cgroup_parent, cfg.run_memory_bytes())
+            if self.mode == "bwrap":
+                # bwrap reports the pid of the container's init on this pipe; killing that init
+                # takes down every process in the container, and its exit means they are all gone
+                info_r, info_w = os.pipe()
+                # ... and reads the seccomp filter from this one (~400 bytes: fits the pipe buffer)
+                seccomp_r, seccomp_w = os.pipe()
+                pipes += [info_w, seccomp_r, seccomp_w]
+                os.write(seccomp_w, self._seccomp)
+                os.close(pipes.pop())
+                argv = [argv[0], "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv[1:]]
+            else:
+                workdir = tempfile.mkdtemp(prefix="nemo_like_sbx_")
+                env["HOME"] = env["TMPDIR"] = workdir
+            if cgroup is not None:
+                argv = cgroup.launcher() + argv
+            start = time.monotonic()
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -321,215 +353,38 @@ class Sandbox:
                 cwd=workdir or "/",
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=(info_w,) if info_w >= 0 else (),
+                pass_fds=tuple(pipes),
             )
         except OSError as e:
-            for fd in (info_r, info_w):
+            for fd in [*pipes, info_r]:
                 if fd >= 0:
                     os.close(fd)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
+            if cgroup is not None:
+                cgroup.remove()
             return SandboxResult("sandbox_error", [False] * len(tests), error=f"cannot start the sandbox: {e}")
-        if info_w >= 0:
-            os.close(info_w)
-        state = _RunState()
+        for fd in pipes:
+            os.close(fd)
+        state = RunState()
         try:
-            self._communicate(proc, payload, start + timeout, len(tests), info_r, state)
+            communicate(proc, payload, start + timeout, len(tests), info_r, state, cfg.max_output_bytes)
         finally:
-            self._kill(proc, state)
+            if cgroup is not None:
+                cgroup.kill_all()
+            kill_run(proc, state)
             for fd in (info_r, state.init_pidfd):
                 if fd is not None and fd >= 0:
                     os.close(fd)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
         duration = time.monotonic() - start
-        return self._interpret(nonce, state, proc.returncode, len(tests), duration)
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen, state: _RunState) -> None:
-        """Kill everything the run started and wait until it is gone (bounded)."""
-        if state.init_pidfd is not None:
-            try:
-                signal.pidfd_send_signal(state.init_pidfd, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
-        try:  # the whole group, *before* reaping, so the pgid cannot have been reused
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            try:
-                stream.close()  # type: ignore[union-attr]
-            except Exception:
-                pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the OS
-            pass
-        if state.init_pidfd is not None:
-            # the container's init exits only after every process of its pid namespace is dead
-            try:
-                waiter = selectors.DefaultSelector()
-                waiter.register(state.init_pidfd, selectors.EVENT_READ)
-                waiter.select(10)
-                waiter.close()
-            except (OSError, ValueError):
-                pass
-
-    def _communicate(
-        self, proc: subprocess.Popen, payload: bytes, deadline: float, n_tests: int, info_fd: int, state: _RunState
-    ) -> None:
-        """Feed stdin and read the pipes with caps until the process exits or the deadline passes.
-
-        Fills ``state``: program output, result channel, output_limit / timed_out flags and a pidfd of
-        the container's init. Never blocks past the deadline: all pipes are non-blocking and the
-        process exit is watched through a pidfd (polling waitid without reaping where pidfds are
-        unavailable).
-        """
-        out_cap = self.config.max_output_bytes
-        res_cap = 4096 + _RESULT_LINE_CAP * (n_tests + 4)
-        info = bytearray()
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        sel = selectors.DefaultSelector()
-        for fd in (proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()):
-            os.set_blocking(fd, False)
-        view = memoryview(payload)
-        if view:
-            sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, "in")
-        else:
-            proc.stdin.close()
-        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
-        sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "res")
-        if info_fd >= 0:
-            sel.register(info_fd, selectors.EVENT_READ, "info")
-        pidfd = None
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-            sel.register(pidfd, selectors.EVENT_READ, "exit")
-        except (AttributeError, OSError):
-            pidfd = None
-        exited_at: float | None = None
-        try:
-            while True:
-                now = time.monotonic()
-                if exited_at is None and pidfd is None and _exited(proc.pid):
-                    exited_at = now
-                open_pipes = any(k.data in ("out", "res") for k in sel.get_map().values())
-                if exited_at is not None and (not open_pipes or now - exited_at > 0.25):
-                    return  # exited (stragglers get 0.25 s to flush)
-                if now >= deadline:
-                    state.timed_out = True
-                    return
-                wait = deadline - now
-                if pidfd is None:
-                    wait = min(wait, 0.02)
-                if exited_at is not None:
-                    wait = min(wait, 0.05)
-                for key, _ in sel.select(wait):
-                    what = key.data
-                    if what == "exit":
-                        sel.unregister(key.fd)
-                        exited_at = time.monotonic()
-                    elif what == "in":
-                        try:
-                            written = os.write(key.fd, view[:65536])
-                            view = view[written:]
-                        except BlockingIOError:
-                            continue
-                        except OSError:  # the sandbox died before reading everything
-                            view = view[:0]
-                        if not view:
-                            sel.unregister(key.fd)
-                            proc.stdin.close()
-                    else:
-                        try:
-                            chunk = os.read(key.fd, 65536)
-                        except BlockingIOError:
-                            continue
-                        except OSError:
-                            chunk = b""
-                        if not chunk:
-                            sel.unregister(key.fd)
-                            if what == "info" and state.init_pidfd is None:
-                                state.init_pidfd = _open_init_pidfd(info)
-                            continue
-                        if what == "info":
-                            info += chunk[: max(0, 4096 - len(info))]
-                            if state.init_pidfd is None and b"}" in info:
-                                state.init_pidfd = _open_init_pidfd(info)
-                            continue
-                        buf, cap = (state.out, out_cap) if what == "out" else (state.res, res_cap)
-                        room = cap - len(buf)
-                        buf += chunk[: max(room, 0)]
-                        if len(chunk) > room:
-                            state.output_limit = True
-                            return
-        finally:
-            sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
-
-    def _interpret(self, nonce: str, state: _RunState, returncode: int | None, n_tests: int, duration: float) -> SandboxResult:
-        out, res, timed_out = bytes(state.out), bytes(state.res), state.timed_out
-        tag = nonce.encode()
-        events: list[tuple[str, int, str]] = []
-        other: list[str] = []
-        for line in res.splitlines():
-            parts = line.split(b" ", 3)
-            if len(parts) >= 3 and parts[0] == tag:
-                try:
-                    index = int(parts[2])
-                except ValueError:
-                    continue
-                info = parts[3].decode("utf-8", "replace") if len(parts) > 3 else ""
-                events.append((parts[1].decode("ascii", "replace"), index, info))
-            elif line.strip():
-                other.append(line.decode("utf-8", "replace"))
-        kinds = {k for k, _, _ in events}
-        passed = [False] * n_tests
-        test_errors: dict[int, str] = {}
-        for kind, index, info in events:
-            if 0 <= index < n_tests:
-                if kind == "pass":
-                    passed[index] = True
-                elif kind == "fail":
-                    test_errors[index] = info
-        text = out.decode("utf-8", "replace")
-        error = ""
-        if state.output_limit:
-            status, error = "output_limit", f"output exceeded {self.config.max_output_bytes} bytes"
-        elif "done" in kinds:
-            status = "ok"
-        elif timed_out:
-            status, error = "timeout", "wall-clock limit exceeded"
-        elif "ready" not in kinds:
-            status, error = "sandbox_error", "\n".join(other)[-2000:] or f"sandbox exited with {returncode}"
-        elif "program_error" in kinds:
-            status = "program_error"
-            error = next(info for kind, _, info in events if kind == "program_error")
-        else:
-            status = "crashed"
-            error = _describe_exit(returncode)
-        if status != "ok":
-            passed = [False] * n_tests
-        return SandboxResult(
-            status=status,
-            tests_passed=passed,
-            output=text,
-            returncode=returncode,
-            duration_s=duration,
-            error=error,
-            test_errors=test_errors,
-        )
-
-
-@dataclasses.dataclass
-class _RunState:
-    out: bytearray = dataclasses.field(default_factory=bytearray)  # the program's stdout+stderr
-    res: bytearray = dataclasses.field(default_factory=bytearray)  # the prelude's result lines
-    output_limit: bool = False
-    timed_out: bool = False
-    init_pidfd: int | None = None  # the bwrap container's init (pid 1 of its pid namespace)
+        result = interpret(nonce, state, proc.returncode, len(tests), duration, cfg.max_output_bytes)
+        if cgroup is not None:
+            if result.status in ("crashed", "sandbox_error") and cgroup.oom_killed():
+                result.error = f"killed: the run went over its memory cap ({cfg.run_memory_bytes() >> 20} MiB)"
+            cgroup.remove()
+        return result
 
 
 def _safe_len(x: Any) -> int:

@@ -1,30 +1,25 @@
-"""The sandbox's limits (:class:`SandboxConfig`), the outcome of a run (:class:`SandboxResult`) and
-what a :class:`~nemo_like.environments.sandbox.Sandbox` needs to know about the host: the interpreter
-to run, its directories, the bwrap version, the directories to hide from programs and how a run's
-processes exited."""
+"""The sandbox's limits and isolation options (:class:`SandboxConfig`) and the outcome of a run
+(:class:`SandboxResult`). Imports only the standard library and the sandbox's own helper modules,
+so the environment config model can check a config with it before anything starts."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Sequence
 from typing import Any
+
+from nemo_like.environments.sandbox_memory import MIN_PROCESS_MEMORY_MB, check_memory_split, per_process_memory_mb
+from nemo_like.environments.sandbox_mounts import check_extra_ro_binds
 
 BWRAP_INSTALL_HINT = "install bubblewrap, e.g. `apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
 
 # Statuses of a run. Only "ok" means the prelude ran every test; everything else scores 0.
 STATUSES = ("ok", "program_error", "crashed", "timeout", "output_limit", "sandbox_error")
+MEMORY_MODES = ("cgroup", "rlimit", "none")
 
-
-_SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-_DEFAULT_HIDDEN = ("/root", "/home", "/work", "/run", "/var/tmp", "/mnt", "/media", "/srv")
+__all__ = ["SandboxConfig", "SandboxResult", "SandboxUnavailableError", "BWRAP_INSTALL_HINT", "STATUSES", "MEMORY_MODES",
+           "MIN_PROCESS_MEMORY_MB"]
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -37,14 +32,20 @@ class SandboxConfig:
     """Limits and mode of a :class:`Sandbox`. All sizes are per run.
 
     timeout_s: wall-clock limit of one run (startup included). cpu_time_s: RLIMIT_CPU (None:
-    ``ceil(timeout_s) + 1``). memory_limit_mb: RLIMIT_AS (0: none). max_processes: RLIMIT_NPROC
-    (processes and threads). max_file_size_mb: RLIMIT_FSIZE. max_open_files: RLIMIT_NOFILE.
-    max_output_bytes: stdout+stderr cap (more kills the run). tmp_size_mb: size of the private
-    ``/tmp`` and ``/dev/shm`` (bwrap >= 0.7). max_concurrency: runs at once in one Sandbox.
+    ``ceil(timeout_s) + 1``). memory_limit_mb: memory of the whole run, all its processes together
+    (0: none; see :mod:`~nemo_like.environments.sandbox_memory` for how, and why it must leave
+    each of ``max_processes`` at least 24 MiB). max_processes: RLIMIT_NPROC (processes and threads
+    of the run). max_file_size_mb: RLIMIT_FSIZE. max_open_files: RLIMIT_NOFILE.
+    max_output_bytes: stdout+stderr cap (more kills the run). tmp_size_mb: size of each of the
+    private ``/tmp`` and ``/dev/shm`` tmpfs. max_concurrency: runs at once in one Sandbox.
     bwrap_path: the bwrap binary (None: ``bwrap`` on PATH). python_executable: the interpreter (None:
     the real base interpreter behind ``sys.executable``; it runs with ``-I -S -B``, so the project's
-    venv is not needed). hidden_paths: more host directories to hide. allow_unsandboxed: fall back
-    to the rlimit-only mode (warned once) when bwrap is missing or unusable, instead of raising.
+    venv is not needed). hidden_paths: more host directories to hide where they fall inside
+    something visible. extra_ro_binds: host paths shown to programs, read-only (nothing outside
+    the system directories is, otherwise; Ray's temp dirs are refused). cgroup_parent: a delegated
+    cgroup v2 directory (memory controller enabled for its children) to cap runs in (None: the
+    trainer's own cgroup if it can, else the rlimit split). allow_unsandboxed: fall back to the
+    rlimit-only mode (warned once) when bwrap is missing or unusable, instead of raising.
     """
 
     timeout_s: float = 5.0
@@ -59,6 +60,8 @@ class SandboxConfig:
     bwrap_path: str | None = None
     python_executable: str | None = None
     hidden_paths: tuple[str, ...] = ()
+    extra_ro_binds: tuple[str, ...] = ()
+    cgroup_parent: str | None = None
     allow_unsandboxed: bool = False
 
     def __post_init__(self) -> None:
@@ -80,7 +83,8 @@ class SandboxConfig:
         int_at_least("max_output_bytes", self.max_output_bytes, 1)
         int_at_least("tmp_size_mb", self.tmp_size_mb, 1)
         int_at_least("max_concurrency", self.max_concurrency, 1)
-        for name in ("bwrap_path", "python_executable"):
+        check_memory_split(self.memory_limit_mb, self.max_processes, "SandboxConfig.")
+        for name in ("bwrap_path", "python_executable", "cgroup_parent"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"SandboxConfig.{name} must be a non-empty string or None, got {value!r}")
@@ -89,11 +93,12 @@ class SandboxConfig:
         ):
             raise ValueError(f"SandboxConfig.hidden_paths must be absolute path strings, got {self.hidden_paths!r}")
         object.__setattr__(self, "hidden_paths", tuple(self.hidden_paths))
+        object.__setattr__(self, "extra_ro_binds", check_extra_ro_binds(self.extra_ro_binds, "SandboxConfig.extra_ro_binds"))
         if not isinstance(self.allow_unsandboxed, bool):
             raise ValueError(f"SandboxConfig.allow_unsandboxed must be a bool, got {self.allow_unsandboxed!r}")
 
-    def limits(self, timeout_s: float) -> list[tuple[str, int]]:
-        """(rlimit name, value) pairs the prelude applies."""
+    def limits(self, timeout_s: float, memory_mode: str) -> list[tuple[str, int]]:
+        """(rlimit name, value) pairs the prelude applies to the run's first process (and so to all)."""
         cpu = self.cpu_time_s if self.cpu_time_s is not None else math.ceil(timeout_s) + 1
         out = [
             ("RLIMIT_CPU", max(1, math.ceil(cpu))),
@@ -102,9 +107,15 @@ class SandboxConfig:
             ("RLIMIT_NOFILE", self.max_open_files),
             ("RLIMIT_CORE", 0),
         ]
-        if self.memory_limit_mb:
+        if memory_mode == "rlimit":
+            out.append(("RLIMIT_AS", per_process_memory_mb(self.memory_limit_mb, self.max_processes) << 20))
+        elif memory_mode == "cgroup":  # the cgroup caps the run; this turns one huge allocation into a MemoryError
             out.append(("RLIMIT_AS", self.memory_limit_mb << 20))
         return out
+
+    def run_memory_bytes(self) -> int:
+        """Most RAM a run can hold: its processes plus full /tmp and /dev/shm (the cgroup mode's memory.max)."""
+        return (self.memory_limit_mb + 2 * self.tmp_size_mb) << 20
 
 
 @dataclasses.dataclass
@@ -140,106 +151,3 @@ class SandboxResult:
         return self.status == "ok" and bool(self.tests_passed) and all(self.tests_passed)
 
 
-# ------------------------------------------------------------------------------------ helpers
-def _bwrap_version(bwrap: str) -> tuple[int, ...]:
-    try:
-        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10, env=_SAFE_ENV)
-    except (OSError, subprocess.SubprocessError):
-        return (0,)
-    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out.stdout + out.stderr)
-    return tuple(int(g or 0) for g in m.groups()) if m else (0,)
-
-
-def _default_python() -> str:
-    """The real interpreter behind this process (through venv symlinks): it runs isolated (-I -S)."""
-    base = getattr(sys, "_base_executable", None) or sys.executable
-    return os.path.realpath(base)
-
-
-def _interpreter_dirs(python: str) -> list[str]:
-    """Directories the interpreter needs: its prefixes and the directory of its binary."""
-    code = "import sys; print(sys.base_prefix); print(sys.base_exec_prefix); print(sys.executable)"
-    try:
-        out = subprocess.run(
-            [python, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=30, env=_SAFE_ENV, cwd="/"
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise SandboxUnavailableError(f"cannot run the sandbox interpreter {python!r}: {e}") from e
-    lines = out.stdout.splitlines()
-    if out.returncode != 0 or len(lines) < 3:
-        raise SandboxUnavailableError(
-            f"the sandbox interpreter {python!r} does not work (exit {out.returncode}): {out.stderr.strip()[:500]}"
-        )
-    dirs = [os.path.realpath(lines[0]), os.path.realpath(lines[1]), os.path.dirname(os.path.realpath(python))]
-    return _dedupe_nested(dirs)
-
-
-def _is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _dedupe_nested(paths: Sequence[str]) -> list[str]:
-    """Drop duplicates and paths inside another path of the list (shortest first)."""
-    out: list[str] = []
-    for p in sorted({os.path.normpath(p) for p in paths}, key=len):
-        if p != "/" and not any(_is_within(p, q) for q in out):
-            out.append(p)
-    return out
-
-
-def _project_root() -> str:
-    # nemo_like/environments/sandbox_config.py -> the directory holding the nemo_like package
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-
-
-def _hidden_roots(extra: Sequence[str]) -> list[str]:
-    candidates = list(_DEFAULT_HIDDEN) + list(extra) + [_project_root(), tempfile.gettempdir()]
-    for getter in (os.getcwd, lambda: os.path.expanduser("~")):
-        try:
-            candidates.append(getter())
-        except OSError:
-            pass
-    real = []
-    for p in candidates:
-        try:
-            rp = os.path.realpath(p)
-        except OSError:
-            continue
-        # /tmp and /dev get their own private mounts; / itself cannot be hidden
-        if rp in ("/", "/tmp", "/dev", "/proc") or _is_within(rp, "/dev") or _is_within(rp, "/proc"):
-            continue
-        if _is_within(rp, "/tmp"):
-            continue  # under the private /tmp already
-        if os.path.isdir(rp):
-            real.append(rp)
-    return _dedupe_nested(real)
-
-
-def _open_init_pidfd(info: bytes) -> int | None:
-    """pidfd of the container init named in bwrap's --info-fd JSON ({"child-pid": N, ...})."""
-    try:
-        pid = json.loads(bytes(info).decode())["child-pid"]
-        return os.pidfd_open(int(pid)) if isinstance(pid, int) and pid > 1 else None
-    except (ValueError, KeyError, TypeError, AttributeError, OSError):
-        return None
-
-
-def _exited(pid: int) -> bool:
-    """Whether ``pid`` has exited, without reaping it (its pid and pgid stay reserved)."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
-
-
-def _describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "did not exit"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name}"
-    return f"exited with code {returncode} before finishing"

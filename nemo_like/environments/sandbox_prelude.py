@@ -1,7 +1,7 @@
 """The trusted harness that runs inside the sandbox, before and around the untrusted program.
 
 It is sent to ``python -I -S -B -c`` as source text; the parent (:mod:`nemo_like.environments.sandbox`)
-sends it ``{nonce, program, tests, limits, uid}`` as JSON on stdin and reads result lines, each
+sends it ``{nonce, program, tests, limits, thread_stack, uid}`` as JSON on stdin and reads result lines, each
 prefixed by the nonce, from the private channel that was stderr.
 """
 
@@ -39,6 +39,9 @@ def _nemo_like_sandbox_harness():
 
     for name, value in p["limits"]:
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
+    if p["thread_stack"]:           # small thread stacks where the address space is split thin
+        import _thread
+        _thread.stack_size(p["thread_stack"])
     uid = p["uid"]
     if uid is not None:
         os.setgroups([])
