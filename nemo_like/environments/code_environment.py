@@ -27,15 +27,21 @@ import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from pydantic import Field, field_validator, model_validator
+
+from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxResult
+from nemo_like.environments.sandbox_memory import check_memory_split
+from nemo_like.environments.sandbox_mounts import check_extra_ro_binds
 
 if TYPE_CHECKING:
     from nemo_like.data.interfaces import LLMMessageLogType
 
 __all__ = [
+    "CodeEnvConfig",
     "extract_code",
     "run_tests_sandboxed",
     "humaneval_program_and_tests",
@@ -150,18 +156,37 @@ def run_tests_sandboxed(
 
 
 # -------------------------------------------------------------------------------- environment
-_CONFIG_DEFAULTS: dict[str, Any] = {
-    "timeout_s": 5.0,  # wall-clock limit of one program run (all its tests)
-    "max_concurrency": 2,  # programs run at once
-    "memory_limit_mb": 512,  # address-space limit of each program (0: none)
-    "max_processes": 16,  # processes + threads a program may have
-    "max_output_bytes": 65536,  # a program printing more is killed and scores 0
-    "reward_mode": "fraction",  # "fraction" of tests passed, or "all_or_nothing"
-    "allow_unsandboxed": False,  # without bubblewrap: rlimits only (warned) instead of an error
-    "bwrap_path": None,  # None: `bwrap` on PATH
-    "python_executable": None,  # None: the real interpreter behind sys.executable
-}
-_REWARD_MODES = ("fraction", "all_or_nothing")
+class CodeEnvConfig(EnvConfig):
+    """``env.code``: checked before Ray starts (see :mod:`nemo_like.environments.env_config`); each
+    key maps onto the :class:`~nemo_like.environments.sandbox.SandboxConfig` field of that name."""
+
+    timeout_s: float = Field(default=5.0, gt=0, strict=True, allow_inf_nan=False)  # wall clock of one run (all its tests)
+    max_concurrency: int = Field(default=2, ge=1, strict=True)  # programs run at once
+    # memory of one run, all its processes together (0: none); each of max_processes must get >= 24 MiB
+    memory_limit_mb: int = Field(default=512, ge=0, strict=True)
+    max_processes: int = Field(default=16, ge=1, strict=True)  # processes + threads a run may have
+    max_output_bytes: int = Field(default=65536, ge=1, strict=True)  # a program printing more is killed, scores 0
+    reward_mode: Literal["fraction", "all_or_nothing"] = "fraction"  # fraction of tests passed, or all or nothing
+    allow_unsandboxed: bool = Field(default=False, strict=True)  # without bubblewrap: rlimits only (warned), not an error
+    bwrap_path: str | None = Field(default=None, min_length=1, strict=True)  # None: `bwrap` on PATH
+    python_executable: str | None = Field(default=None, min_length=1, strict=True)  # None: the interpreter behind sys.executable
+    # host paths programs may read (nothing outside the system dirs is visible otherwise; never Ray's temp dirs)
+    extra_ro_binds: list[str] = Field(default_factory=list, strict=True)
+    # a delegated cgroup v2 dir (memory controller on for its children) to cap runs in; None: automatic
+    cgroup_parent: str | None = Field(default=None, min_length=1, strict=True)
+
+    @field_validator("extra_ro_binds")
+    @classmethod
+    def _visible_paths(cls, v: list[str]) -> list[str]:
+        check_extra_ro_binds(v, "extra_ro_binds")  # ValueError: relative, missing, or Ray's
+        return v
+
+    @model_validator(mode="after")
+    def _memory_split(self) -> CodeEnvConfig:
+        check_memory_split(self.memory_limit_mb, self.max_processes)  # names both keys
+        return self
+
+
 _MAX_TESTS = 1000  # per sample: more makes the sample malformed (bounds the result channel)
 
 
@@ -223,11 +248,9 @@ class CodeEnvironment(EnvironmentInterface):
     """Grades the last assistant message of each sample by running its program against tests.
 
     ``metadata[i]`` holds either ``tests`` (a list of code snippets, e.g. ``"assert f(3) == 10"``) or a
-    HumanEval record (``prompt``, ``test``, ``entry_point``). Config keys: ``timeout_s`` (5.0),
-    ``max_concurrency`` (2), ``memory_limit_mb`` (512), ``max_processes`` (16), ``max_output_bytes``
-    (65536), ``reward_mode`` ("fraction" | "all_or_nothing"), ``allow_unsandboxed`` (False),
-    ``bwrap_path`` (None), ``python_executable`` (None). Construction raises if bubblewrap is missing
-    (unless ``allow_unsandboxed``). Single turn: every sample terminates.
+    HumanEval record (``prompt``, ``test``, ``entry_point``). Config: :class:`CodeEnvConfig`.
+    Construction raises if bubblewrap is missing (unless ``allow_unsandboxed``). Single turn: every
+    sample terminates.
 
     Never raises from :meth:`step`: a malformed sample scores 0 and counts in ``num_failures`` (as
     does a run the sandbox itself could not start); a program over the time limit counts in
@@ -236,36 +259,25 @@ class CodeEnvironment(EnvironmentInterface):
     raised, exited early or was killed by a limit), ``num_output_limits``.
     """
 
+    config_model: ClassVar[type[EnvConfig]] = CodeEnvConfig
+
     def __init__(self, config: dict | None = None) -> None:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise TypeError(f"CodeEnvironment config must be a dict, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_CONFIG_DEFAULTS))
-        if unknown:
-            raise ValueError(f"CodeEnvironment: unknown config keys {unknown}; allowed: {sorted(_CONFIG_DEFAULTS)}")
-        cfg = {**_CONFIG_DEFAULTS, **config}
-        if cfg["reward_mode"] not in _REWARD_MODES:
-            raise ValueError(f"CodeEnvironment: reward_mode must be one of {list(_REWARD_MODES)}, got {cfg['reward_mode']!r}")
-        try:
-            sandbox_config = SandboxConfig(
-                timeout_s=cfg["timeout_s"],
-                max_concurrency=cfg["max_concurrency"],
-                memory_limit_mb=cfg["memory_limit_mb"],
-                max_processes=cfg["max_processes"],
-                max_output_bytes=cfg["max_output_bytes"],
-                allow_unsandboxed=cfg["allow_unsandboxed"],
-                bwrap_path=cfg["bwrap_path"],
-                python_executable=cfg["python_executable"],
-            )
-        except ValueError as e:
-            raise ValueError(f"CodeEnvironment: {str(e).replace('SandboxConfig.', '')}") from None
+        parsed = validate_env_config("code", self.config_model, config)
+        cfg = parsed.model_dump(exclude=set(TRAINER_SIDE_KEYS))
         self.config = cfg
+        sandbox_keys = [k for k in cfg if k != "reward_mode"]
+        sandbox_config = SandboxConfig(**{k: tuple(cfg[k]) if k == "extra_ro_binds" else cfg[k] for k in sandbox_keys})
         self._sandbox = Sandbox(sandbox_config)  # raises SandboxUnavailableError without bubblewrap
 
     @property
     def sandbox_mode(self) -> str:
         """"bwrap" or "unsandboxed"."""
         return self._sandbox.mode
+
+    @property
+    def memory_mode(self) -> str:
+        """How a run's memory is capped: "cgroup", "rlimit" or "none" (see ``sandbox_memory``)."""
+        return self._sandbox.memory_mode
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
         batch, meta = normalize_step_inputs(message_log_batch, metadata)

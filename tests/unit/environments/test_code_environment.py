@@ -27,11 +27,13 @@ from nemo_like.data.code_tasks import (
 from nemo_like.data.datasets import DataError
 from nemo_like.data.interfaces import TaskDataSpec
 from nemo_like.environments.code_environment import (
+    CodeEnvConfig,
     CodeEnvironment,
     extract_code,
     humaneval_program_and_tests,
     run_tests_sandboxed,
 )
+from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import get_env_class
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
 
@@ -128,18 +130,64 @@ def test_registry_maps_code_to_the_environment():
 
 
 def test_config_validation(tmp_path):
-    with pytest.raises(ValueError, match="unknown config keys"):
+    with pytest.raises(ValueError, match=r"env\.code\.timeout: unknown config key \(did you mean env\.code\.timeout_s\?\)"):
         CodeEnvironment({"timeout": 2})
-    with pytest.raises(ValueError, match="reward_mode"):
+    with pytest.raises(ValueError, match="env.code.reward_mode"):
         CodeEnvironment({"reward_mode": "best_of"})
-    with pytest.raises(ValueError, match="timeout_s"):
+    with pytest.raises(ValueError, match="env.code.timeout_s"):
         CodeEnvironment({"timeout_s": -1})
-    with pytest.raises(ValueError, match="max_concurrency"):
+    with pytest.raises(ValueError, match="env.code.max_concurrency"):
         CodeEnvironment({"max_concurrency": 0})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="env.code"):
         CodeEnvironment(["not", "a", "dict"])  # type: ignore[arg-type]
     with pytest.raises(SandboxUnavailableError, match="apt-get install -y bubblewrap"):
         CodeEnvironment({"bwrap_path": str(tmp_path / "missing" / "bwrap")})
+
+
+def test_typed_config_model():
+    """``CodeEnvironment.config_model`` is what nemo_like.config checks env.code with before Ray starts:
+    the keys, defaults and constraints of the environment, each error naming env.code.<key>."""
+    assert CodeEnvironment.config_model is CodeEnvConfig
+    defaults = validate_env_config("code", CodeEnvConfig, None).model_dump()
+    assert defaults == {
+        "step_timeout_s": None, "timeout_s": 5.0, "max_concurrency": 2, "memory_limit_mb": 512, "max_processes": 16,
+        "max_output_bytes": 65536, "reward_mode": "fraction", "allow_unsandboxed": False, "bwrap_path": None,
+        "python_executable": None, "extra_ro_binds": [], "cgroup_parent": None,
+    }
+    bad = [
+        ({"timeout_s": "5"}, "env.code.timeout_s"),  # strict: no strings for numbers
+        ({"timeout_s": float("inf")}, "env.code.timeout_s"),
+        ({"max_processes": 2.0}, "env.code.max_processes"),
+        ({"memory_limit_mb": -1}, "env.code.memory_limit_mb"),
+        ({"allow_unsandboxed": "yes"}, "env.code.allow_unsandboxed"),
+        ({"bwrap_path": ""}, "env.code.bwrap_path"),
+        ({"extra_ro_binds": "/usr/share"}, "env.code.extra_ro_binds"),  # a string is not a list
+        ({"extra_ro_binds": ["relative/dir"]}, "absolute"),
+        ({"extra_ro_binds": ["/nonexistent_nemo_like_dir"]}, "does not exist"),
+        ({"extra_ro_binds": ["/"]}, "whole host"),
+        ({"extra_ro_binds": ["/tmp"]}, "Ray"),  # holds /tmp/ray (Ray's default temp dir)
+        # the per-run cap split over max_processes: 256 / 16 = 16 MiB each, too little for Python
+        ({"memory_limit_mb": 256, "max_processes": 16}, r"memory_limit_mb / max_processes = 256 / 16 = 16 MiB"),
+    ]
+    for options, message in bad:
+        with pytest.raises(ValueError, match=message):
+            validate_env_config("code", CodeEnvConfig, options)
+    ok = validate_env_config("code", CodeEnvConfig, {"memory_limit_mb": 0, "max_processes": 64, "extra_ro_binds": ["/usr/share"]})
+    assert ok.extra_ro_binds == ["/usr/share"] and ok.memory_limit_mb == 0
+
+
+@needs_bwrap
+def test_new_sandbox_keys_reach_the_sandbox(tmp_path, env):
+    # the typed config's extra_ro_binds become visible (read-only) to programs; nothing else of the host is
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "answer.txt").write_text("42")
+    listed = CodeEnvironment({**CONFIG, "extra_ro_binds": [str(shared)]})
+    read = chat(f"```python\nANSWER = int(open({str(shared / 'answer.txt')!r}).read())\n```")
+    meta = [{"tests": ["assert ANSWER == 42"]}]
+    assert listed.step([read], meta).rewards.tolist() == [1.0]
+    assert env.step([read], meta).rewards.tolist() == [0.0]  # not listed: FileNotFoundError
+    assert env.memory_mode in ("cgroup", "rlimit") and listed.sandbox_mode == "bwrap"
 
 
 @needs_bwrap
