@@ -164,7 +164,9 @@ class CodeEnvConfig(EnvConfig):
     max_concurrency: int = Field(default=2, ge=1, strict=True)  # programs run at once
     # memory of one run, all its processes together (0: none); each of max_processes must get >= 24 MiB
     memory_limit_mb: int = Field(default=512, ge=0, strict=True)
-    max_processes: int = Field(default=16, ge=1, strict=True)  # processes + threads a run may have
+    # processes + threads a run may have; 8 leaves each 64 MiB of the default 512 (16 left 32: a
+    # thread stack or a list of a million ints away from a MemoryError in a correct program)
+    max_processes: int = Field(default=8, ge=1, strict=True)
     max_output_bytes: int = Field(default=65536, ge=1, strict=True)  # a program printing more is killed, scores 0
     reward_mode: Literal["fraction", "all_or_nothing"] = "fraction"  # fraction of tests passed, or all or nothing
     allow_unsandboxed: bool = Field(default=False, strict=True)  # without bubblewrap: rlimits only (warned), not an error

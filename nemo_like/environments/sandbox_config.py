@@ -51,7 +51,7 @@ class SandboxConfig:
     timeout_s: float = 5.0
     cpu_time_s: float | None = None
     memory_limit_mb: int = 512
-    max_processes: int = 16
+    max_processes: int = 8  # 64 MiB each of the default 512 (see CodeEnvConfig)
     max_file_size_mb: int = 16
     max_open_files: int = 64
     max_output_bytes: int = 64 * 1024

@@ -150,7 +150,7 @@ def test_typed_config_model():
     assert CodeEnvironment.config_model is CodeEnvConfig
     defaults = validate_env_config("code", CodeEnvConfig, None).model_dump()
     assert defaults == {
-        "step_timeout_s": None, "timeout_s": 5.0, "max_concurrency": 2, "memory_limit_mb": 512, "max_processes": 16,
+        "step_timeout_s": None, "timeout_s": 5.0, "max_concurrency": 2, "memory_limit_mb": 512, "max_processes": 8,
         "max_output_bytes": 65536, "reward_mode": "fraction", "allow_unsandboxed": False, "bwrap_path": None,
         "python_executable": None, "extra_ro_binds": [], "cgroup_parent": None,
     }
