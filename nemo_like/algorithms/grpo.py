@@ -22,12 +22,13 @@ from nemo_like.utils.logger import progress_interval
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-from nemo_like.config import MasterConfig
+from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
-from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.checkpoint import (CheckpointError, CheckpointManager, load_train_state, restore_rng,
+                                        save_train_state)
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.perf import throughput_metrics
 from nemo_like.utils.stats import paired_change
@@ -205,25 +206,20 @@ class GRPOTrainer:
         tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
         self.policy.save_checkpoint(str(tmp / "policy"))
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
-        torch.save({"step": self.step_count, "sampler": self.sampler.state_dict(),
-                    "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
-                    "torch_rng": torch.get_rng_state(), "last_val_metrics": self.last_val_metrics,
-                    "first_val_results": self.first_val_results, "last_val_results": self.last_val_results},
-                   tmp / "train_state.pt")
+        save_train_state(tmp, {"step": self.step_count, "sampler": self.sampler.state_dict(),
+                               "last_val_metrics": self.last_val_metrics, "first_val_results": self.first_val_results,
+                               "last_val_results": self.last_val_results})
         return self.checkpointer.finalize_checkpoint(tmp)
 
     def load_checkpoint(self, path: str | Path) -> None:
         path = Path(path)
+        state = load_train_state(path)  # exact or refused: every file is checked against the manifest first
         self.policy.load_checkpoint(str(path / "policy"))
-        state = torch.load(path / "train_state.pt", weights_only=False)
         self.step_count = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        self.last_val_metrics = state.get("last_val_metrics", {})
-        self.first_val_results = state.get("first_val_results")
-        self.last_val_results = state.get("last_val_results")
+        restore_rng(state["rng"])
+        self.last_val_metrics = state["last_val_metrics"]
+        self.first_val_results, self.last_val_results = state["first_val_results"], state["last_val_results"]
 
     def set_env(self, task: str, actor: Any) -> None:
         """Grade ``task`` with ``actor`` from the next rollout on; the old actor is killed."""
@@ -246,6 +242,8 @@ class GRPOTrainer:
                 res()
             except Exception as e:  # closing must free everything it can
                 print(f"[nemo_like] while closing: {e!r}")
+        if self.checkpointer is not None:  # checkpoint_dir is free for another run from here on
+            self.checkpointer.release_lock()
 
 
 def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[str, float]]:
@@ -418,7 +416,6 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from nemo_like.environments.registry import create_env_actor
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.pretrained import resolve_model_source
-    from nemo_like.utils.logger import read_metrics_jsonl
 
     cfg = config.model_copy(deep=True)
     random.seed(cfg.grpo.seed)
@@ -429,9 +426,12 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     train_cfgs, val_cfgs = cfg.data.train_list, cfg.data.validation_list
     train_rows = [load_dataset_from_config(c) for c in train_cfgs]
     val_rows = [load_dataset_from_config(c) for c in val_cfgs]
-    # So is a checkpoint_dir that belongs to a different run.
-    ckpt = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
-    latest = ckpt.get_latest_checkpoint_path() if (ckpt and resume) else None
+    # So is a checkpoint_dir of a different run, in use by a live one, or with only damaged checkpoints.
+    ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
+    try:
+        latest = ckpt.preflight(resume) if ckpt else None
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     if latest is not None:
         check_resume_compatible(cfg, latest)
     for ds_cfg in train_cfgs + val_cfgs:  # and so does a reward function that cannot be imported
@@ -489,13 +489,17 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
                           loss_fn=ClippedPGLossFn(cfg.loss_fn), _resources=resources)
-    if latest is not None:
-        trainer.load_checkpoint(latest)
-        try:
-            rows = read_metrics_jsonl(Path(cfg.logger.log_dir) / "metrics.jsonl")
-        except (FileNotFoundError, ValueError):
-            rows = []
-        # Keep history up to the checkpoint: later rows were logged by the crashed run.
-        trainer.history = [r for r in rows if r.get("step", 0) <= trainer.step_count]
-        print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")
+    try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
+        latest = ckpt.open_for_run(resume) if ckpt else None
+        if latest is not None:
+            check_resume_compatible(cfg, latest)
+            trainer.load_checkpoint(latest)
+            # Rows the crashed run logged after the checkpoint leave metrics.jsonl too: each step once.
+            trainer.history = logger.keep_steps_up_to(trainer.step_count)
+            print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")
+    except BaseException as e:
+        trainer.close()
+        if isinstance(e, CheckpointError):
+            raise ConfigError(str(e)) from None
+        raise
     return trainer

@@ -1,12 +1,14 @@
-"""Atomic, pruned checkpoint directories: ``<checkpoint_dir>/step_<N>/``.
+"""Atomic, verified, locked, pruned checkpoint directories: ``<checkpoint_dir>/step_<N>/``.
 
-Protocol (a crash at any point never leaves a directory that looks complete):
+Protocol (a crash at any point, kill -9 included, never leaves a directory that looks complete):
+  0. the run takes ``mgr.lock()``: one live run per checkpoint_dir; leftovers of a crashed save go
   1. ``path = mgr.init_tmp_checkpoint(step, training_info)`` -> ``<checkpoint_dir>/tmp_step_<N>/``
   2. the caller writes whatever it needs inside (``policy/``, ``train_state.pt``, ...)
-  3. ``mgr.finalize_checkpoint(path)`` writes ``training_info.json`` last, fsyncs, renames the
-     directory to ``step_<N>`` and prunes old checkpoints.
-Only ``step_<N>`` directories that contain ``training_info.json`` count as checkpoints; a
-``tmp_*`` directory is always an unfinished (or crashed) save.
+  3. ``mgr.finalize_checkpoint(path)`` fsyncs, writes ``training_info.json``, then ``manifest.json``
+     (every file's size, sha256 of small ones) last, renames the directory to ``step_<N>`` and prunes.
+Only ``step_<N>`` directories whose files match their manifest are used; the newest of them is
+the one to resume, and newer damaged ones are skipped with a warning naming what is wrong. A
+``tmp_*`` directory is always an unfinished (or crashed) save or delete.
 """
 
 from __future__ import annotations
@@ -17,11 +19,20 @@ import numbers
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nemo_like.utils.checkpoint_io import (MANIFEST, CheckpointError, checkpoint_problems, fsync_path,
+                                           load_train_state, read_manifest, reached, restore_rng,
+                                           save_train_state, verify_checkpoint, write_manifest)
+from nemo_like.utils.dir_lock import DirLock, DirLockedError
+
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointingConfig", "DirLockedError", "load_train_state",
+           "restore_rng", "save_train_state", "verify_checkpoint"]
 
 TRAINING_INFO = "training_info.json"
 # Written at init time so finalize (possibly from another manager instance) knows the info.
@@ -29,6 +40,9 @@ _PENDING_INFO = ".pending_training_info.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_STEP_RE = re.compile(r"^tmp_step_(\d+)$")
 _TMP_OLD_RE = re.compile(r"^tmp_old_step_(\d+)$")
+# Newer checkpoints than the one a run resumed from that failed verification: kept for a look,
+# never loaded, never pruned.
+_SET_ASIDE = "invalid_step_{}"
 
 
 class CheckpointingConfig(BaseModel):
@@ -56,26 +70,11 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
-def _fsync_path(path: Path) -> None:
-    # Directories need an fsync too, or a rename/create inside them may not survive a power cut.
-    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return  # e.g. platforms that cannot open directories; best effort
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
-            _fsync_path(Path(dirpath) / name)
-        _fsync_path(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
 
 
 def _write_json_durable(path: Path, data: Mapping[str, Any]) -> None:
@@ -87,17 +86,53 @@ def _write_json_durable(path: Path, data: Mapping[str, Any]) -> None:
 
 
 class CheckpointManager:
-    """Creates, finalizes, finds and prunes checkpoints under ``cfg.checkpoint_dir``.
+    """Creates, finalizes, verifies, finds and prunes checkpoints under ``cfg.checkpoint_dir``.
 
-    Meant to be used by the single driver process. On construction, leftovers of a crashed save
-    are cleaned up (``remove_stale_tmp``) unless ``cleanup_stale=False``.
+    A run that writes checkpoints holds the directory's lock (``lock()`` ... ``release_lock()``);
+    saving without it is allowed only while no other live process holds it. On construction,
+    leftovers of a crashed save are cleaned up (``remove_stale_tmp``) unless ``cleanup_stale=False``
+    or a live run holds the lock (its save in progress is not a leftover).
     """
 
     def __init__(self, cfg: CheckpointingConfig | Mapping[str, Any], cleanup_stale: bool = True):
         self.cfg = cfg if isinstance(cfg, CheckpointingConfig) else CheckpointingConfig.model_validate(cfg)
         self.checkpoint_dir = Path(self.cfg.checkpoint_dir)
+        self._lock = DirLock(self.checkpoint_dir, label=f"checkpointing.checkpoint_dir={self.checkpoint_dir}")
         if cleanup_stale and self.checkpoint_dir.is_dir():
-            self.remove_stale_tmp()
+            try:  # under the lock, taken for the moment: never while another run may be saving
+                self._lock.acquire()
+            except DirLockedError:
+                return
+            try:
+                self.remove_stale_tmp()
+            finally:
+                self._lock.release()
+
+    # ---------------------------------------------------------------- locking
+    def lock(self) -> CheckpointManager:
+        """Takes the directory for this run (DirLockedError naming the live holder otherwise), then
+        clears what a crashed save left behind."""
+        self._lock.acquire()
+        self.remove_stale_tmp()
+        return self
+
+    def release_lock(self) -> None:
+        self._lock.release()
+
+    def check_unlocked(self) -> None:
+        """DirLockedError when another live run holds the directory; takes nothing."""
+        self._lock.check_free()
+
+    def preflight(self, resume: bool = True) -> Path | None:
+        """What a run checks before starting anything: DirLockedError when a live run holds the
+        directory; with ``resume``, the checkpoint it would continue (CheckpointError if none is intact)."""
+        self.check_unlocked()
+        return self.get_latest_checkpoint_path() if resume else None
+
+    def open_for_run(self, resume: bool = True) -> Path | None:
+        """Takes the directory for the run (``lock()``); with ``resume``, returns ``resume_path()``."""
+        self.lock()
+        return self.resume_path() if resume else None
 
     # ----------------------------------------------------------------- saving
     def should_save(self, step: int, is_last_step: bool = False) -> bool:
@@ -115,12 +150,14 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ValueError(f"training_info for step {step} must be JSON-serialisable (finite numbers): {e}") from e
 
+        self.check_unlocked()
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.checkpoint_dir / f"tmp_step_{step}"
         if tmp.exists():  # left over from a crash during an earlier save of this step
             shutil.rmtree(tmp)
         tmp.mkdir()
         _write_json_durable(tmp / _PENDING_INFO, info)
+        reached("init")
         return tmp
 
     def finalize_checkpoint(self, tmp_path: str | os.PathLike[str]) -> Path:
@@ -135,14 +172,18 @@ class CheckpointManager:
         pending = tmp / _PENDING_INFO
         if not pending.is_file():
             raise FileNotFoundError(f"{pending} is missing: was {tmp} created by init_tmp_checkpoint?")
+        self.check_unlocked()
         info = json.loads(pending.read_text(encoding="utf-8"))
         step = int(m.group(1))
 
-        # Everything the caller wrote must be on disk before training_info.json marks it complete.
+        # Everything the caller wrote must be on disk before the manifest vouches for it.
         _fsync_tree(tmp)
+        reached("info")
         _write_json_durable(tmp / TRAINING_INFO, info)
         pending.unlink()
-        _fsync_path(tmp)
+        reached("manifest")
+        write_manifest(tmp, step)
+        reached("rename")
 
         final = self.checkpoint_dir / f"step_{step}"
         old = self.checkpoint_dir / f"tmp_old_step_{step}"
@@ -152,32 +193,87 @@ class CheckpointManager:
             if old.exists():
                 shutil.rmtree(old)
             os.replace(final, old)
+            reached("replace")
         os.replace(tmp, final)
-        _fsync_path(self.checkpoint_dir)
+        fsync_path(self.checkpoint_dir)
         if old.exists():
             shutil.rmtree(old)
-
-        self.prune()
+        reached("prune")
+        self.prune(keep_step=step)
         return final
 
     # ---------------------------------------------------------------- finding
-    def _finalized(self) -> list[tuple[int, Path]]:
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """Every ``step_<N>`` directory, complete or not, oldest first. A ``tmp_old_step_<N>`` without
+        its ``step_<N>`` (a crash between the renames of a re-save) stands in for it until a run
+        holding the lock puts it back."""
         if not self.checkpoint_dir.is_dir():
             return []
-        out = []
-        for child in self.checkpoint_dir.iterdir():
-            m = _STEP_RE.match(child.name)
-            if m and child.is_dir() and (child / TRAINING_INFO).is_file():
-                out.append((int(m.group(1)), child))
-        return sorted(out)
+        found: dict[int, Path] = {}
+        for child in sorted(self.checkpoint_dir.iterdir(), key=lambda c: not _STEP_RE.match(c.name)):
+            m = _STEP_RE.match(child.name) or _TMP_OLD_RE.match(child.name)
+            if m and child.is_dir():
+                found.setdefault(int(m.group(1)), child)
+        return sorted(found.items())
+
+    def _finalized(self) -> list[tuple[int, Path]]:
+        # Cheap (no hashing): what a finished save looks like. Loading verifies the files themselves.
+        return [(step, path) for step, path in self._step_dirs() if (path / MANIFEST).is_file()]
 
     def list_checkpoints(self) -> list[Path]:
-        """Finalized checkpoints, oldest first."""
+        """Finalized checkpoints (those with a manifest), oldest first."""
         return [path for _step, path in self._finalized()]
 
+    def problems(self, path: str | os.PathLike[str]) -> list[str]:
+        """What is wrong with the checkpoint at ``path``; empty when its files match its manifest."""
+        path = Path(path)
+        problems = checkpoint_problems(path)
+        m = _STEP_RE.match(path.name) or _TMP_OLD_RE.match(path.name)
+        if not problems and m:
+            saved = read_manifest(path).get("step")
+            if saved != int(m.group(1)):
+                problems.append(f"its manifest is for step {saved}")
+        return problems
+
+    def _first_valid(self, ordered: list[tuple[int, Path]], what: str) -> Path | None:
+        """The first intact checkpoint of ``ordered``, warning about each damaged one before it;
+        CheckpointError naming every problem when none is intact."""
+        if not ordered:
+            return None
+        skipped = []
+        for _step, path in ordered:
+            problems = self.problems(path)
+            if not problems:
+                for name, why in skipped:
+                    warnings.warn(f"{self.checkpoint_dir}: skipping checkpoint {name} ({why}); "
+                                  f"using {path.name}, the {what} intact one", stacklevel=3)
+                return path
+            skipped.append((path.name, "; ".join(problems)))
+        listed = "; ".join(f"{name}: {why}" for name, why in skipped)
+        raise CheckpointError(f"checkpointing.checkpoint_dir={self.checkpoint_dir} holds no intact checkpoint "
+                              f"({listed}); repair or delete them, or use another checkpoint_dir")
+
     def get_latest_checkpoint_path(self) -> Path | None:
-        ckpts = self._finalized()
-        return ckpts[-1][1] if ckpts else None
+        """The newest checkpoint whose files match its manifest (damaged newer ones are skipped with a
+        warning); None when there is no checkpoint; CheckpointError when none of them is intact."""
+        return self._first_valid(self._step_dirs()[::-1], "newest")
+
+    def resume_path(self) -> Path | None:
+        """``get_latest_checkpoint_path()``, and the damaged checkpoints newer than it set aside as
+        ``invalid_step_<N>``: the resumed run saves those steps again. Needs the lock."""
+        if not self._lock.held:
+            raise RuntimeError("CheckpointManager.resume_path() needs lock() first")
+        latest = self.get_latest_checkpoint_path()
+        m = None if latest is None else (_STEP_RE.match(latest.name) or _TMP_OLD_RE.match(latest.name))
+        newest = -1 if m is None else int(m.group(1))
+        for step, path in self._step_dirs():
+            if step > newest:
+                aside = self.checkpoint_dir / _SET_ASIDE.format(step)
+                if aside.exists():
+                    shutil.rmtree(aside)
+                os.replace(path, aside)
+                warnings.warn(f"{path} is damaged; moved to {aside.name}", stacklevel=2)
+        return latest
 
     def _metric_of(self, path: Path) -> float | None:
         name = self.cfg.metric_name
@@ -205,9 +301,8 @@ class CheckpointManager:
         return sorted(self._finalized(), key=key, reverse=True)
 
     def get_best_checkpoint_path(self) -> Path | None:
-        """Best by ``metric_name`` (ties -> newer); the latest when no checkpoint has the metric."""
-        ranked = self._ranked()
-        return ranked[0][1] if ranked else None
+        """Best intact one by ``metric_name`` (ties -> newer); the latest when none has the metric."""
+        return self._first_valid(self._ranked(), "best")
 
     @staticmethod
     def load_training_info(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -224,34 +319,43 @@ class CheckpointManager:
         return info
 
     # ---------------------------------------------------------------- cleanup
-    def prune(self) -> list[Path]:
-        """Deletes checkpoints outside the top ``keep_top_k`` (the latest is always kept); returns them."""
+    def prune(self, keep_step: int | None = None) -> list[Path]:
+        """Deletes checkpoints outside the top ``keep_top_k``; returns them. ``keep_step`` (default: the
+        newest) is kept in any case: the save just made, never a damaged newer one."""
         k = self.cfg.keep_top_k
         ckpts = self._finalized()
         if k is None or len(ckpts) <= k:
             return []
-        latest_step = ckpts[-1][0]
-        keep = {step for step, _ in self._ranked()[:k]} | {latest_step}
+        self.check_unlocked()
+        keep = {step for step, _ in self._ranked()[:k]} | {ckpts[-1][0] if keep_step is None else keep_step}
         removed = []
         for step, path in ckpts:
             if step not in keep:
-                shutil.rmtree(path)
+                # One rename first: a crash while deleting leaves a tmp_* directory, never a half checkpoint.
+                doomed = self.checkpoint_dir / f"tmp_del_step_{step}"
+                if doomed.exists():
+                    shutil.rmtree(doomed)
+                os.replace(path, doomed)
+                reached("delete")
+                shutil.rmtree(doomed)
                 removed.append(path)
         return removed
 
     def remove_stale_tmp(self) -> list[Path]:
-        """Removes leftovers of interrupted saves; restores a step_<N> that a crash left moved aside."""
+        """Removes leftovers of interrupted saves and deletes; restores a step_<N> that a crash left
+        moved aside."""
         if not self.checkpoint_dir.is_dir():
             return []
+        self.check_unlocked()
         removed = []
         for child in sorted(self.checkpoint_dir.iterdir()):
             m = _TMP_OLD_RE.match(child.name)
             if m:
                 final = self.checkpoint_dir / f"step_{m.group(1)}"
-                if not final.exists() and (child / TRAINING_INFO).is_file():
+                if not final.exists() and (child / MANIFEST).is_file():
                     os.replace(child, final)
                     continue
-            if m or _TMP_STEP_RE.match(child.name):
+            if child.name.startswith("tmp_") and child.is_dir():
                 shutil.rmtree(child)
                 removed.append(child)
         return removed

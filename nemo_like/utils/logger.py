@@ -3,7 +3,8 @@
 metrics.jsonl is the machine-readable record of a run: one JSON object per ``log_metrics``
 call, ``{"step": N, "train/loss": ...}``. It is opened in append mode so a resumed run keeps
 writing to the same file, and every line is flushed immediately so a crash loses at most
-the line being written.
+the line being written. A resumed run first drops the rows logged after its checkpoint
+(``keep_steps_up_to``), so the file holds each step once.
 """
 
 from __future__ import annotations
@@ -120,15 +121,14 @@ class Logger:
         self.print_fn = print_fn or _default_print
         self._closed = False
         self._jsonl = None
+        # The TensorBoard writer starts with the first metric, once a resume has said which step the
+        # crashed run's later events are hidden from (purge_step).
         self._tb_writer = None
+        self._tb_purge_step: int | None = None
         self._wandb_run = None
 
         if self.cfg.jsonl_enabled:
             self._jsonl = self._open_jsonl_for_append(self.log_dir / METRICS_FILENAME)
-        if self.cfg.tensorboard_enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb_writer = SummaryWriter(log_dir=str(self.log_dir / TENSORBOARD_SUBDIR))
         if self.cfg.wandb_enabled:
             self._wandb_run = self._init_wandb()
 
@@ -152,6 +152,55 @@ class Logger:
                     )
                     f.truncate(keep)
         return open(path, "a", encoding="utf-8")
+
+    def keep_steps_up_to(self, step: int) -> list[dict[str, Any]]:
+        """For a run resumed from a checkpoint at ``step``: drops the rows of metrics.jsonl logged
+        after it (by the run that crashed later; this run logs those steps again) and returns the
+        rows kept. The file is rewritten atomically (temp file + os.replace, then reopened for
+        appending) and TensorBoard hides the crashed run's events after ``step``."""
+        if self._closed:
+            raise RuntimeError("Logger.keep_steps_up_to called after close()")
+        path = self.metrics_path
+        kept_lines, rows, bad, total = [], [], [], 0
+        if path.exists():
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, start=1):
+                    total = lineno
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        record = None
+                    if not isinstance(record, dict):
+                        bad.append(lineno)
+                    elif record.get("step", 0) <= step:
+                        kept_lines.append(line if line.endswith("\n") else line + "\n")
+                        rows.append(record)
+        if bad:
+            warnings.warn(f"{path}: dropping malformed lines {bad[:10]}", stacklevel=2)
+        if self._jsonl is not None and len(kept_lines) != total:
+            self._jsonl.close()  # appending to the file being replaced would write into the old copy
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept_lines)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._jsonl = open(path, "a", encoding="utf-8")
+        if self._tb_writer is not None:  # already writing: start a new writer that purges
+            self._tb_writer.close()
+            self._tb_writer = None
+        self._tb_purge_step = step + 1
+        return rows
+
+    def _tensorboard(self):
+        if self._tb_writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb_writer = SummaryWriter(log_dir=str(self.log_dir / TENSORBOARD_SUBDIR),
+                                            purge_step=self._tb_purge_step)
+        return self._tb_writer
 
     def _init_wandb(self):
         try:
@@ -196,10 +245,11 @@ class Logger:
             record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
             self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
             self._jsonl.flush()
-        if self._tb_writer is not None:
+        if self.cfg.tensorboard_enabled:
+            writer = self._tensorboard()
             for name, value in values.items():
-                self._tb_writer.add_scalar(name, value, global_step=step)
-            self._tb_writer.flush()
+                writer.add_scalar(name, value, global_step=step)
+            writer.flush()
         if self._wandb_run is not None and values:
             self._wandb_run.log(values, step=step)
         if self.cfg.stdout_enabled and values:

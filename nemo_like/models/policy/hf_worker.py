@@ -385,6 +385,8 @@ class HFPolicyWorker:
         torch.save(torch.get_rng_state(), out / f"rng_rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        """Exact or refused: every tensor of the model from the checkpoint and nothing else (an error
+        names the missing and unexpected ones); files read as tensors and plain types only."""
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -398,15 +400,21 @@ class HFPolicyWorker:
             sd.update(load_file(str(f)))
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        opts = StateDictOptions(full_state_dict=True, strict=False)
+        expected = set(self.model.state_dict())  # FSDP2 keeps the plain names; no gather needed
+        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise RuntimeError(f"{p}: the checkpoint's weights do not match the model: missing {missing[:10]}"
+                               f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+                               f"{' ...' if len(unexpected) > 10 else ''}")
+        opts = StateDictOptions(full_state_dict=True, strict=True)
         set_model_state_dict(self.model, sd, options=opts)
         if load_optimizer and self.optimizer is not None and (p / "optimizer.pt").exists():
-            st = torch.load(p / "optimizer.pt", weights_only=False)
+            st = torch.load(p / "optimizer.pt", weights_only=True, map_location="cpu")
             set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
             self.scheduler.load_state_dict(st["scheduler"])
         rng = p / f"rng_rank{self.rank}.pt"
         if rng.exists():
-            torch.set_rng_state(torch.load(rng))
+            torch.set_rng_state(torch.load(rng, weights_only=True))
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -177,8 +177,15 @@ def test_checkpoint_layout_and_training_info(tmp_path):
     assert mgr.get_latest_checkpoint_path() is None and mgr.get_best_checkpoint_path() is None
     final = _save(mgr, 10, acc=0.5)
     assert final == tmp_path / "ckpt" / "step_10"
-    assert sorted(p.name for p in final.iterdir()) == ["policy", "train_state.pt", "training_info.json"]
+    assert sorted(p.name for p in final.iterdir()) == ["manifest.json", "policy", "train_state.pt",
+                                                       "training_info.json"]
     assert mgr.load_training_info(final) == {"metrics": {"val/accuracy": 0.5}, "step": 10}
+    # The manifest, written last, lists every other file with its size and sha256.
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["step"] == 10
+    assert sorted(manifest["files"]) == ["policy/weights.bin", "train_state.pt", "training_info.json"]
+    assert manifest["files"]["policy/weights.bin"]["size"] == 16
+    assert len(manifest["files"]["policy/weights.bin"]["sha256"]) == 64
     assert torch.load(final / "train_state.pt") == {"step": 10}
     assert not list((tmp_path / "ckpt").glob("tmp_*"))
     # Re-saving the same step replaces it safely.
@@ -201,9 +208,11 @@ def test_crash_leftover_tmp_never_latest(tmp_path):
     # Even a tmp dir that already holds training_info.json (crash right before the rename) is ignored.
     (tmp / "training_info.json").write_text(json.dumps({"step": 20}))
     assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
-    # A step_* dir without training_info.json is not a checkpoint either.
+    # A step_* dir without a manifest is not a checkpoint either: skipped, saying why.
     (tmp_path / "ckpt" / "step_30").mkdir()
-    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+    with pytest.warns(UserWarning, match=r"skipping checkpoint step_30 \(no manifest.json"):
+        assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
+    (tmp_path / "ckpt" / "step_30").rmdir()
 
     # The resumed run cleans up on construction; re-initialising the same step starts clean.
     resumed = CheckpointManager(cfg)
@@ -219,7 +228,8 @@ def test_crash_between_renames_restores_old_step(tmp_path):
     mgr = CheckpointManager(cfg)
     _save(mgr, 10, acc=0.5)
     os.replace(tmp_path / "ckpt" / "step_10", tmp_path / "ckpt" / "tmp_old_step_10")
-    assert mgr.get_latest_checkpoint_path() is None
+    # Until a run puts it back, the moved-aside copy stands in for step_10 (a resume reads its config).
+    assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "tmp_old_step_10"
     assert mgr.remove_stale_tmp() == []
     assert mgr.get_latest_checkpoint_path() == tmp_path / "ckpt" / "step_10"
 
@@ -318,3 +328,41 @@ def test_timer_sum_mean_nested_and_errors():
     timer.reset()
     assert timer.get_timing_metrics() == {}
     timer.start("train")  # reset also cleared the running timer
+
+
+# ------------------------------------------------------------------ resume
+def test_resume_drops_rows_after_the_checkpoint_from_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _cfg(tmp_path, tensorboard_enabled=True)
+    with Logger(cfg) as crashed:
+        crashed.log_metrics({"accuracy": 0.5}, step=0, prefix="val")
+        for step in range(1, 6):  # checkpoint at step 3; steps 4 and 5 logged, then the crash
+            crashed.log_metrics({"loss": float(step)}, step=step, prefix="train")
+        crashed.log_metrics({"accuracy": 0.75}, step=5, prefix="val")
+    path = tmp_path / "logs" / "metrics.jsonl"
+    inode = path.stat().st_ino
+
+    resumed = Logger(cfg)
+    kept = resumed.keep_steps_up_to(3)
+    assert kept == [{"step": 0, "val/accuracy": 0.5}] + [{"step": s, "train/loss": float(s)} for s in (1, 2, 3)]
+    assert read_metrics_jsonl(path) == kept
+    assert path.stat().st_ino != inode and not path.with_name("metrics.jsonl.tmp").exists()  # replaced whole
+    # The resumed run's rows land in the new file, once per step.
+    resumed.log_metrics({"loss": 40.0}, step=4, prefix="train")
+    resumed.close()
+    assert [(r["step"], r.get("train/loss")) for r in read_metrics_jsonl(path)] == [
+        (0, None), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    # TensorBoard reads both runs' event files; the crashed run's steps after 3 are purged from view.
+    acc = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    acc.Reload()
+    assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert [s.step for s in acc.Scalars("val/accuracy")] == [0]
+
+    # With nothing after the checkpoint the file is left as it is.
+    again = Logger(cfg)
+    inode = path.stat().st_ino
+    assert len(again.keep_steps_up_to(4)) == 5 and path.stat().st_ino == inode
+    again.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        again.keep_steps_up_to(4)
