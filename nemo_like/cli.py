@@ -13,6 +13,7 @@ from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
 def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterConfig], None]) -> int:
     from nemo_like.data.datasets import DataError
     from nemo_like.environments.supervision import EnvironmentFailureError, EnvironmentStartError
+    from nemo_like.utils.checkpoint import CheckpointError
 
     try:
         path, overrides = parse_cli(argv, default_config)
@@ -22,7 +23,7 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterCo
         return 2
     try:
         run(config)
-    except (DataError, ConfigError) as e:
+    except (DataError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (EnvironmentStartError, EnvironmentFailureError) as e:  # the run cannot learn: say why, once

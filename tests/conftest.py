@@ -18,10 +18,15 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray of 2 CPUs for the module; what experiments start in it, they must free again."""
-    started = init_ray(num_cpus=2)
+    """The one local Ray of the test session. 4 logical CPUs on a 2-core machine: a module's 2-rank
+    policy cluster plus a single worker fit at once; tests run one at a time, so nothing is
+    oversubscribed. Whatever a module starts in it (clusters, actors), it must free again.
+
+    Ray hands the driver's ``sys.path`` to its workers once, when it starts; pytest has put every
+    test directory on it during collection, so helper modules beside the tests import in actors."""
+    started = init_ray(num_cpus=4)
     yield
     if started:
         ray.shutdown()

@@ -26,6 +26,8 @@ from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.environments.env_config import TRAINER_SIDE_KEYS
+from nemo_like.environments.supervision import FailureWatch, step_timeouts
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.utils.checkpoint import (CheckpointError, CheckpointManager, load_train_state, restore_rng,
                                         save_train_state)
@@ -57,6 +59,10 @@ class GRPOTrainer:
     last_batch: BatchedDataDict | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     _resources: list[Any] = field(default_factory=list)  # shut down in close(), in reverse order
+    env_watch: FailureWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
 
     # ---- one GRPO step --------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -75,6 +81,8 @@ class GRPOTrainer:
             with timer.time("generation_and_reward"):
                 batch, rollout_metrics = self._rollout(batch, greedy=False)
                 self.policy.finish_generation()
+            # A task none of whose samples could be graded for too many steps stops the run here.
+            self.env_watch.observe(batch["task_name"], batch["grading_error"])
             rewards = batch["total_reward"]
 
             # 3. Advantages: group-relative, computed on the driver (cheap, [N]). A sample no reward
@@ -161,9 +169,12 @@ class GRPOTrainer:
         return bool(on) and not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
 
     def _rollout(self, batch: BatchedDataDict, greedy: bool) -> tuple[BatchedDataDict, dict[str, float]]:
-        return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs,
-                                      max_turns=self.config.grpo.max_rollout_turns,
-                                      max_seq_len=self.config.policy.max_total_sequence_length, greedy=greedy)
+        cfg = self.config
+        names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list}
+        limits = step_timeouts(cfg.env, {t: names.get(t, t) for t in self.envs}, cfg.grpo.env_step_timeout_s)
+        return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
+                                      max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
+                                      step_timeouts=limits)
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, log: bool = False) -> dict[str, float]:
@@ -257,14 +268,14 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
         if base is not None:
             tqdm.write(f"step 0: val/accuracy = {base:.3f} (base model)")
     results = []
-    bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True,
-                mininterval=progress_interval())
-    while trainer.step_count < total:
-        m = trainer.step()
-        results.append(m)
-        bar.update(1)
-        bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}", loss=f"{m.get('train/loss', float('nan')):.4f}")
-    bar.close()
+    # A context manager: a run that stops with an error ends the bar's line first, so the error is a line of its own.
+    with tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True,
+              mininterval=progress_interval()) as bar:
+        while trainer.step_count < total:
+            m = trainer.step()
+            results.append(m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}", loss=f"{m.get('train/loss', float('nan')):.4f}")
     if cfg.val_at_end and not (cfg.val_period and trainer.step_count % cfg.val_period == 0) and results:
         trainer.validate(log=True)
     if trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period:
@@ -390,10 +401,9 @@ def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sf
 def env_config(cfg: MasterConfig, ds_cfg) -> dict[str, Any]:
     """``env.<env_name>`` plus the dataset's own reward functions (checked here, before any actor
     starts, so a typo in an import path is a config error, not a run of zero rewards)."""
-    from nemo_like.config import ConfigError
     from nemo_like.environments.reward_fn_environment import get_reward_fn
 
-    out = dict(cfg.env.get(ds_cfg.env_name, {}))
+    out = {k: v for k, v in cfg.env.get(ds_cfg.env_name, {}).items() if k not in TRAINER_SIDE_KEYS}
     if ds_cfg.reward_fns:
         for i, r in enumerate(ds_cfg.reward_fns):
             try:
@@ -413,7 +423,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from nemo_like.data.datasets import load_dataset_from_config
 
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
-    from nemo_like.environments.registry import create_env_actor
+    from nemo_like.environments.registry import create_env_actor, registered_envs
+    from nemo_like.environments.supervision import wait_for_env_actors
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.pretrained import resolve_model_source
 
@@ -435,7 +446,10 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     if latest is not None:
         check_resume_compatible(cfg, latest)
     for ds_cfg in train_cfgs + val_cfgs:  # and so does a reward function that cannot be imported
-        env_config(cfg, ds_cfg)
+        env_config(cfg, ds_cfg)  # or an environment nobody registered
+        if ds_cfg.env_name not in registered_envs():
+            raise ConfigError(f"data (task {ds_cfg.task_name!r}).env_name: no environment {ds_cfg.env_name!r} is "
+                              f"registered; registered: {registered_envs()} (register_env() it before setup)")
 
     def free() -> None:
         while resources:
@@ -474,6 +488,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
                 actor = create_env_actor(ds_cfg.env_name, env_config(cfg, ds_cfg))
                 envs[ds_cfg.task_name] = actor
                 resources.append(lambda a=actor: ray.kill(a, no_restart=True))
+        # A constructor that raised (no bubblewrap, a bad tool) fails the run now, naming it.
+        wait_for_env_actors(envs, {d.task_name: d.env_name for d in train_cfgs + val_cfgs})
 
         policy = Policy(cluster, cfg.policy, seed=cfg.grpo.seed,
                         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
@@ -497,6 +513,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             # Rows the crashed run logged after the checkpoint leave metrics.jsonl too: each step once.
             trainer.history = logger.keep_steps_up_to(trainer.step_count)
             print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")
+        else:  # step 0: an earlier run's rows in this log_dir are set aside, not mixed with this run's
+            logger.set_aside_previous_rows()
     except BaseException as e:
         trainer.close()
         if isinstance(e, CheckpointError):

@@ -194,6 +194,29 @@ class Logger:
         self._tb_purge_step = step + 1
         return rows
 
+    def set_aside_previous_rows(self) -> Path | None:
+        """For a run that starts at step 0: an earlier run's metrics.jsonl in the same log_dir (one
+        that crashed before its first checkpoint, or ran without checkpoints) is renamed to
+        ``metrics.prev<N>.jsonl``, so this run's file holds each of its steps once and the earlier
+        rows are kept, not mixed in. TensorBoard hides the earlier run's events. Returns the new name."""
+        if self._closed:
+            raise RuntimeError("Logger.set_aside_previous_rows called after close()")
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+            self._tb_writer = None
+        self._tb_purge_step = 0
+        path = self.metrics_path
+        if self._jsonl is None or not path.exists() or path.stat().st_size == 0:
+            return None
+        self._jsonl.close()
+        n = 1
+        while (aside := path.with_name(f"{path.stem}.prev{n}{path.suffix}")).exists():
+            n += 1
+        os.replace(path, aside)
+        self._jsonl = open(path, "a", encoding="utf-8")
+        self.print_fn(f"[nemo_like] {path} held an earlier run's rows (no checkpoint to resume): moved to {aside.name}")
+        return aside
+
     def _tensorboard(self):
         if self._tb_writer is None:
             from torch.utils.tensorboard import SummaryWriter

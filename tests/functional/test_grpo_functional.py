@@ -37,11 +37,8 @@ def _config(tmp_path, *extra):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grpo")
-    yield d
-    if ray.is_initialized():
-        ray.shutdown()
+def run_dir(ray_session, tmp_path_factory):
+    return tmp_path_factory.mktemp("grpo")
 
 
 def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):

@@ -1,10 +1,8 @@
 """RayWorkerGroup on a real local Ray cluster with 2 CPU workers talking gloo."""
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -79,15 +77,11 @@ def cpus_available() -> float:
 
 
 @pytest.fixture(scope="module")
-def ray_env():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    tmp = tempfile.mkdtemp(prefix="nlwg", dir="/tmp")
-    started = init_ray(num_cpus=2, temp_dir=tmp)
-    assert started and ray.cluster_resources()["CPU"] == 2
-    yield
-    shutdown_ray_if_started(started)
-    shutil.rmtree(tmp, ignore_errors=True)
+def ray_env(ray_session):
+    """The session's Ray; its CPU count, once nothing an earlier module started still holds any."""
+    total = ray.cluster_resources()["CPU"]
+    assert wait_for(lambda: cpus_available() == total), "an earlier test module left CPUs reserved"
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +96,7 @@ def group(ray_env):
 
 def test_init_ray_reuses_running_cluster(ray_env):
     assert init_ray(num_cpus=1) is False  # no second cluster
-    assert ray.cluster_resources()["CPU"] == 2
+    assert ray.cluster_resources()["CPU"] == ray_env
     shutdown_ray_if_started(False)  # must not stop what it did not start
     assert ray.is_initialized()
 
@@ -113,7 +107,7 @@ def test_init_ray_connects_via_ray_address(ray_env):
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["False", "2.0"]  # connected, did not start a 7-CPU cluster
+    assert out.stdout.split()[-2:] == ["False", str(float(ray_env))]  # connected, did not start a 7-CPU cluster
 
 
 def test_gloo_all_reduce_and_env(group):
@@ -157,23 +151,24 @@ def test_worker_exception_names_rank_and_method(group):
     assert group.get_all_worker_results(group.run_all_workers_single_data("fail_on", 5)) == ["ok", "ok"]
 
 
-def test_cluster_too_big_fails_fast(group):
+def test_cluster_too_big_fails_fast(ray_env, group):
+    total = int(ray_env)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"asked for 3 worker\(s\).*whole Ray cluster has only \{CPU: 2\}"):
-        RayVirtualCluster(3, cpus_per_worker=1)
+    with pytest.raises(RuntimeError, match=rf"asked for {total + 1} worker\(s\).*whole Ray cluster has only \{{CPU: {total}\}}"):
+        RayVirtualCluster(total + 1, cpus_per_worker=1)
     assert time.monotonic() - t0 < 5
-    # fits the cluster but not what is free next to `group` (1 CPU): bounded wait, then a clear error
+    # fits the cluster but not what is free next to `group` (it holds 1 CPU): bounded wait, then a clear error
     before = cpus_available()
-    with pytest.raises(RuntimeError, match=r"could not reserve 2 worker\(s\).*within 1s.*available now: \{CPU: 1\}"):
-        RayVirtualCluster(2, cpus_per_worker=1, ready_timeout_s=1)
+    with pytest.raises(RuntimeError, match=rf"could not reserve {total} worker\(s\).*within 1s.*available now: \{{CPU: {total - 1}\}}"):
+        RayVirtualCluster(total, cpus_per_worker=1, ready_timeout_s=1)
     assert wait_for(lambda: cpus_available() == before)  # the pending group was removed
     with pytest.raises(ValueError, match="num_workers must be a positive int"):
         RayVirtualCluster(0)
 
 
-def test_dead_worker_reported_and_shutdown_frees_everything(group, tmp_path):
+def test_dead_worker_reported_and_shutdown_frees_everything(ray_env, group, tmp_path):
     before = cpus_available()
-    assert before == 1.0
+    assert before == ray_env - 1.0  # all but what `group` holds
     cluster = RayVirtualCluster(2, cpus_per_worker=0.5)
     g = RayWorkerGroup(cluster, DistWorker, "second", marker_dir=str(tmp_path))
     assert g.get_all_worker_results(g.run_all_workers_single_data("all_reduce", 0.0)) == [(0, 2, 10.0), (1, 2, 10.0)]

@@ -67,12 +67,8 @@ def env():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-
-    started = init_ray(num_cpus=2)
-    yield
-    shutdown_ray_if_started(started)
+def ray_cluster(ray_session):
+    return None
 
 
 # ------------------------------------------------------------------------------ extraction

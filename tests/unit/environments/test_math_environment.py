@@ -1,8 +1,8 @@
 """MathEnvironment in-process and as a restartable Ray actor, plus the environment registry.
 
-Custom verifiers and a user environment live in a small module written under a temp dir (the
-tests package is not importable as ``tests.*``, and importing this test module in a grader
-subprocess would drag in pytest, torch and ray). The dir goes on ``sys.path`` before Ray starts:
+Custom verifiers and a user environment live in ``_nl_math_env_test_helpers.py`` beside this file
+(importing this test module in a grader subprocess would drag in pytest, torch and ray). Pytest
+puts this directory on ``sys.path`` while collecting, before the session's Ray starts:
 ``GraderPool`` hands the parent's ``sys.path`` to its workers, and ``init_ray`` hands the driver's
 to Ray workers.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -23,77 +22,15 @@ from nemo_like.environments.math_environment import MathEnvironment
 from nemo_like.environments.registry import create_env_actor, get_env_class, register_env, registered_envs
 
 HELPER_MODULE = "_nl_math_env_test_helpers"
-HELPER_SOURCE = textwrap.dedent(
-    '''
-    """Helpers for test_math_environment: custom verifiers and a user environment."""
-    import math
-    import mmap
-    import os
-    import time
-
-
-    def misbehaving_verifier(response, truth):
-        """Behaviour picked by the response text; otherwise exact match."""
-        if response == "sleep":
-            with open(truth, "w") as f:  # the ground truth names a file for our pid
-                f.write(str(os.getpid()))
-            time.sleep(120)
-        if response == "raise":
-            raise RuntimeError("verifier exploded")
-        if response == "nan":
-            return math.nan
-        if response == "exit":
-            os._exit(3)
-        if response == "oom":  # lazy mapping: costs no RAM even if the limit were missing
-            mmap.mmap(-1, 4 << 30)
-            return 1.0
-        if response == "print":
-            print('{"result": 1.0}')
-            print("garbage on stdout")
-            return 0.0
-        return float(response.strip() == truth.strip())
-
-
-    def slow_verifier(response, truth):
-        time.sleep(120)
-        return 1.0
-
-
-    class EchoEnv:
-        """A user environment: reward 1.0 when the last message is the configured word."""
-
-        def __init__(self, config=None):
-            self.word = (config or {}).get("word", "hi")
-
-        def step(self, message_log_batch, metadata):
-            return [1.0 if log[-1]["content"] == self.word else 0.0 for log in message_log_batch]
-
-        def pid(self):
-            return os.getpid()
-
-
-    class NoStep:
-        pass
-
-
-    NOT_A_CLASS = 3
-    '''
-)
 
 
 @pytest.fixture(scope="module")
-def helpers(tmp_path_factory: pytest.TempPathFactory):
-    """The helper module, importable here, in grader subprocesses and (see ray_cluster) in Ray workers."""
-    d = tmp_path_factory.mktemp("env_helpers")
-    (d / f"{HELPER_MODULE}.py").write_text(HELPER_SOURCE)
-    sys.path.insert(0, str(d))
+def helpers():
+    """The helper module beside this file: on sys.path here (pytest puts test dirs there), in grader
+    subprocesses (they get the parent's sys.path) and in Ray workers (see ray_session)."""
     import importlib
 
-    mod = importlib.import_module(HELPER_MODULE)
-    yield mod
-    sys.modules.pop(HELPER_MODULE, None)
-    if str(d) in sys.path:
-        sys.path.remove(str(d))
+    return importlib.import_module(HELPER_MODULE)
 
 
 def user(content: str) -> dict:
@@ -439,15 +376,10 @@ def test_import_path_resolved_lazily(clean_registry, helpers, tmp_path: Path) ->
 
 # ============================================================================ on Ray
 @pytest.fixture(scope="module")
-def ray_cluster(helpers):
-    """One local Ray for this module; the helper dir is already on sys.path, so workers get it."""
-    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-
+def ray_cluster(ray_session, helpers):
     import ray
 
-    started = init_ray(num_cpus=2)
-    yield ray
-    shutdown_ray_if_started(started)
+    return ray
 
 
 @pytest.fixture(scope="module")

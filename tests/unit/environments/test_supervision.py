@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from nemo_like.environments.registry import create_env_actor
-from nemo_like.environments.supervision import (EnvironmentFailureError, EnvironmentStartError, FailureWatch,
-                                                step_timeouts, wait_for_env_actors)
+from nemo_like.environments.supervision import (
+    EnvironmentFailureError,
+    EnvironmentStartError,
+    FailureWatch,
+    step_timeouts,
+    wait_for_env_actors,
+)
 
 
 def test_code_environment_without_bubblewrap_fails_at_start_naming_it(ray_session):

@@ -793,14 +793,10 @@ def test_tool_processors(task_splits) -> None:
 
 # ================================================================================ on Ray
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(ray_session):
     import ray
 
-    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-
-    started = init_ray(num_cpus=2)
-    yield ray
-    shutdown_ray_if_started(started)
+    return ray
 
 
 def test_tool_env_as_ray_actor(ray_cluster) -> None:

@@ -11,7 +11,6 @@ import ray
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.models.generation.hf_generation import hf_generate
@@ -59,8 +58,7 @@ class LocalHF:
 
 
 @pytest.fixture(scope="module")
-def setup_env():
-    started = init_ray(num_cpus=2)
+def setup_env(ray_session):
     envs = {
         "a": ray.remote(CountdownEnv).remote({"name": "A"}),
         "b": ray.remote(CountdownEnv).remote({"name": "B"}),
@@ -70,7 +68,8 @@ def setup_env():
     torch.manual_seed(0)
     model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
     yield envs, tok, model
-    shutdown_ray_if_started(started)
+    for actor in envs.values():
+        ray.kill(actor, no_restart=True)
 
 
 def _batch(tok, specs):

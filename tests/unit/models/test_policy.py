@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
 from nemo_like.algorithms.loss_functions import NLLLossFn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
+from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.models.policy import PolicyConfig, SchedulerConfig
 from nemo_like.models.policy.hf_worker import token_logprobs
 from nemo_like.models.policy.lm_policy import Policy
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    # 3 logical CPUs: the two-rank cluster plus one for the single-worker test.
-    started = init_ray(num_cpus=3, temp_dir=tempfile.mkdtemp(prefix="nl_pol_", dir="/tmp"))
+def cluster(ray_session):
+    # The two-rank cluster; the single-worker tests build a third worker beside it.
     c = RayVirtualCluster(2, cpus_per_worker=1)
     yield c
     c.shutdown()
-    if started:
-        ray.shutdown()
 
 
 def _cfg(model_dir, **kw) -> PolicyConfig:

@@ -4,28 +4,22 @@ ranks different numbers of micro-batches (they must still run in lock step)."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
-import ray
 import torch
 from transformers import AutoTokenizer
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
+from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.lm_policy import Policy
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = init_ray(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="nl_pack_", dir="/tmp"))
+def cluster(ray_session):
     c = RayVirtualCluster(2, cpus_per_worker=1, name="pack")
     yield c
     c.shutdown()
-    if started:
-        ray.shutdown()
 
 
 def _batch(tok) -> BatchedDataDict:

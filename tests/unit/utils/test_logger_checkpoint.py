@@ -366,3 +366,24 @@ def test_resume_drops_rows_after_the_checkpoint_from_jsonl_and_tensorboard(tmp_p
     again.close()
     with pytest.raises(RuntimeError, match="after close"):
         again.keep_steps_up_to(4)
+
+
+def test_a_run_from_step_0_sets_an_earlier_runs_rows_aside(tmp_path):
+    """A run that crashed before its first checkpoint (or ran without checkpoints) and is started
+    again in the same log_dir: its rows move to metrics.prev1.jsonl, the new file holds each step once."""
+    cfg = _cfg(tmp_path)
+    with Logger(cfg) as crashed:
+        for step in (0, 1, 2):
+            crashed.log_metrics({"loss": float(step)}, step=step, prefix="train")
+    path = tmp_path / "logs" / "metrics.jsonl"
+    fresh = Logger(cfg)
+    aside = fresh.set_aside_previous_rows()
+    assert aside == path.with_name("metrics.prev1.jsonl")
+    assert [r["step"] for r in read_metrics_jsonl(aside)] == [0, 1, 2]  # kept, not lost
+    fresh.log_metrics({"loss": 9.0}, step=0, prefix="train")
+    fresh.close()
+    assert read_metrics_jsonl(path) == [{"step": 0, "train/loss": 9.0}]
+    again = Logger(cfg)
+    assert again.set_aside_previous_rows() == path.with_name("metrics.prev2.jsonl")  # never overwrites
+    assert again.set_aside_previous_rows() is None  # nothing left to set aside
+    again.close()

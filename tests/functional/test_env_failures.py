@@ -1,0 +1,151 @@
+"""Runs that cannot learn stop, loudly: an environment that cannot start fails setup, grading that
+fails for every sample step after step stops the run (exit code 1, one line), and a hung grader
+costs one time-limited call, not the run. Real Ray, the real trainer and real actors; the faults
+are injected by environments registered here, as a user would register their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_like import GRPOExperiment
+from nemo_like.environments import registry
+from nemo_like.environments.math_environment import MathEnvConfig, MathEnvironment
+from nemo_like.environments.supervision import EnvironmentStartError
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
+
+
+def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=3",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
+        "policy.logprob_batch_size=8", "policy.generation_batch_size=8",
+        "data.train.generator.num_samples=50", "data.validation.generator.num_samples=4",
+        "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
+        "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
+        "bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}",
+        f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
+        f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.enabled=false",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("base_cache")
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """Environments registered by a test stay in that test."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+class FailsToStart(MathEnvironment):
+    def __init__(self, config=None):
+        raise RuntimeError("the grading service is unreachable")
+
+
+class HangsOnceConfig(MathEnvConfig):
+    hang_marker: str
+
+
+class HangsOnce(MathEnvironment):
+    """Grades like the math environment, except that its first call ever (a marker file) hangs."""
+
+    config_model = HangsOnceConfig  # a user environment with its own typed option
+
+    def __init__(self, config):
+        config = dict(config)
+        self.marker = config.pop("hang_marker")
+        super().__init__(config)
+
+    def step(self, message_log_batch, metadata):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(3600)
+        return super().step(message_log_batch, metadata)
+
+
+def _live_actors() -> int:
+    from ray._private.state import actors
+
+    return sum(1 for a in actors().values() if a["State"] != "DEAD")
+
+
+def test_environment_that_cannot_start_fails_setup_naming_it(ray_session, tmp_path, cache, own_registry):
+    registry.register_env("math", FailsToStart, overwrite=True)
+    before = _live_actors()
+    t0 = time.monotonic()
+    with pytest.raises(EnvironmentStartError) as info:
+        GRPOExperiment(str(CONFIG), _overrides(tmp_path, cache))
+    assert str(info.value) == ("environment 'math' (task 'math') failed to start: "
+                               "RuntimeError: the grading service is unreachable")
+    assert time.monotonic() - t0 < 120  # at setup, not after a run of zero rewards
+    deadline = time.monotonic() + 20
+    while _live_actors() > before and time.monotonic() < deadline:  # ray.kill is asynchronous
+        time.sleep(0.2)
+    assert _live_actors() == before  # setup freed what it had started
+
+
+def test_hung_grader_is_cut_off_and_the_run_goes_on(ray_session, tmp_path, cache, own_registry):
+    registry.register_env("math", HangsOnce, overwrite=True)
+    with GRPOExperiment(str(CONFIG), _overrides(tmp_path, cache, "++env.math.step_timeout_s=3", "grpo.max_num_steps=2",
+                                                 f"++env.math.hang_marker={tmp_path / 'hung'}")) as exp:
+        t0 = time.monotonic()
+        first = exp.step()
+        assert time.monotonic() - t0 < 60
+        assert (tmp_path / "hung").exists()
+        assert first["train/env/math/step_timeouts"] == 8.0  # every sample of the step, counted
+        assert first["train/unscorable_frac"] == 1.0 and first["train/advantage_abs_mean"] == 0.0
+        second = exp.step()  # graded by the restarted actor
+        assert "train/env/math/step_timeouts" not in second and second["train/unscorable_frac"] == 0.0
+
+
+SCRIPT = """
+import sys
+from nemo_like.cli import run_cli, run_grpo
+from nemo_like.environments.interfaces import EnvironmentInterface
+from nemo_like.environments.registry import register_env
+
+
+class Down(EnvironmentInterface):
+    def __init__(self, config=None):
+        pass
+
+    def step(self, message_log_batch, metadata):
+        raise ConnectionError("grader service down")
+
+
+register_env("math", Down, overwrite=True)
+sys.exit(run_cli(sys.argv[1:], {config!r}, run_grpo))
+"""
+
+
+def test_run_whose_grading_keeps_failing_exits_1_naming_the_task_and_error(tmp_path, cache):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(config=str(CONFIG))))
+    env = dict(os.environ, RAY_ADDRESS="")  # its own local Ray, as a user's script would start
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run([sys.executable, str(script), *_overrides(tmp_path, cache, "grpo.max_num_steps=10",
+                                                                     "grpo.max_consecutive_env_failures=2")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: task 'math': grading failed for every sample in 2 consecutive steps "
+                      "(grpo.max_consecutive_env_failures=2); first error: ConnectionError: grader service down"]
+    # It stopped at the second step: one step was trained (on nothing: every sample unscorable).
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/unscorable_frac" in r]
+    assert [r["step"] for r in steps] == [1] and steps[0]["train/unscorable_frac"] == 1.0
+    assert steps[0]["train/env/math/step_errors"] == 8.0
