@@ -46,8 +46,8 @@ DEFAULT_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 TRL_PIN = "1.16.0"
 HOW_TO_RUN = f"uv run --with trl=={TRL_PIN} benchmarks/compare_trl.py [--steps 60] [key=value ...]"
 
-from compare_trl_roles import (_read, _summary, _trl_loss_type, _trl_scale_rewards,  # noqa: E402
-                               _write)
+from compare_trl_roles import _read, _summary, _trl_loss_type, _trl_scale_rewards, _write  # noqa: E402
+
 
 # ================================================================================================
 # orchestrator
@@ -355,8 +355,10 @@ def _report(args, spec, proj, trl_res, ev, durations, total_s) -> dict[str, Any]
     t_wall = _summary(trl_res["step_wall"], w) if trl_res else None
     base = ev["base"]
     p_ev, t_ev = ev.get("project"), ev.get("trl")
-    ratio = lambda a, b: "-" if not (a and b) else f"{a['mean'] / b['mean']:.2f}"
-    ratio_med = lambda a, b: "-" if not (a and b) else f"{a['median'] / b['median']:.2f}"
+    def ratio(a, b):
+        return "-" if not (a and b) else f"{a['mean'] / b['mean']:.2f}"
+    def ratio_med(a, b):
+        return "-" if not (a and b) else f"{a['median'] / b['median']:.2f}"
     n_val = len(spec["val"])
     # Step j of one side ran right before or after step j of the other (when alternating), so the
     # ratio of the two sees nearly the same machine load: its median is the drift-proof comparison.

@@ -167,7 +167,7 @@ def _rows(dataset, indices) -> list[dict[str, Any]]:
 def role_prepare(work: Path) -> None:
     from transformers import AutoTokenizer
 
-    from nemo_like.algorithms.grpo import build_task_dataset, make_train_sampler
+    from nemo_like.algorithms.grpo_setup import build_task_dataset, make_train_sampler
     from nemo_like.data.datasets import load_dataset_from_config
 
     req = _read(work / "request.json")

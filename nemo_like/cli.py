@@ -4,8 +4,8 @@ cannot learn (an environment that does not start, grading that keeps failing) ex
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
 

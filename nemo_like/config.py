@@ -164,7 +164,7 @@ class MasterConfig(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _consistent_batches(self) -> "MasterConfig":
+    def _consistent_batches(self) -> MasterConfig:
         g, p = self.grpo, self.policy
         per_step = g.num_prompts_per_step * g.num_generations_per_prompt
         gbs = p.train_global_batch_size

@@ -201,7 +201,7 @@ class GRPOExperiment:
 
     def _configured_reward_fns(self, task: str) -> list[dict[str, Any]] | None:
         """The reward functions the config gives ``task``, or None when it is graded by another environment."""
-        from nemo_like.algorithms.grpo import env_config
+        from nemo_like.algorithms.grpo_setup import env_config
         from nemo_like.environments.registry import get_env_class
         from nemo_like.environments.reward_fn_environment import RewardFnEnvironment
 
@@ -234,7 +234,7 @@ class GRPOExperiment:
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
-        self.trainer.set_env(task, actor)
+        self.trainer.set_env(task, actor, env_name="reward_fn")  # env.reward_fn.step_timeout_s applies
         self._reward_fns[task] = [dict(s) for s in specs]
         self._save_reward_fns()
         return names

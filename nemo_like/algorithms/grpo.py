@@ -18,20 +18,29 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nemo_like.utils.logger import progress_interval
-
 from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.grpo_setup import (
+    build_task_dataset,
+    check_resume_compatible,
+    dump_config,
+    env_config,
+    make_train_sampler,
+)
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.environments.env_config import TRAINER_SIDE_KEYS
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
-from nemo_like.utils.checkpoint import (CheckpointError, CheckpointManager, load_train_state, restore_rng,
-                                        save_train_state)
-from nemo_like.utils.logger import Logger
+from nemo_like.utils.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    load_train_state,
+    restore_rng,
+    save_train_state,
+)
+from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.perf import throughput_metrics
 from nemo_like.utils.stats import paired_change
 from nemo_like.utils.timer import Timer
@@ -60,6 +69,8 @@ class GRPOTrainer:
     history: list[dict[str, float]] = field(default_factory=list)
     _resources: list[Any] = field(default_factory=list)  # shut down in close(), in reverse order
     env_watch: FailureWatch = field(init=False)
+    # task -> environment name, for tasks whose grader set_env replaced (its step_timeout_s applies)
+    env_names: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
@@ -170,7 +181,7 @@ class GRPOTrainer:
 
     def _rollout(self, batch: BatchedDataDict, greedy: bool) -> tuple[BatchedDataDict, dict[str, float]]:
         cfg = self.config
-        names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list}
+        names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list} | self.env_names
         limits = step_timeouts(cfg.env, {t: names.get(t, t) for t in self.envs}, cfg.grpo.env_step_timeout_s)
         return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
                                       max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
@@ -232,12 +243,15 @@ class GRPOTrainer:
         self.last_val_metrics = state["last_val_metrics"]
         self.first_val_results, self.last_val_results = state["first_val_results"], state["last_val_results"]
 
-    def set_env(self, task: str, actor: Any) -> None:
-        """Grade ``task`` with ``actor`` from the next rollout on; the old actor is killed."""
+    def set_env(self, task: str, actor: Any, env_name: str | None = None) -> None:
+        """Grade ``task`` with ``actor`` (of environment ``env_name``) from the next rollout on; the
+        old actor is killed."""
         import ray
 
         old = self.envs.get(task)
         self.envs[task] = actor
+        if env_name is not None:
+            self.env_names[task] = env_name
         self._resources.append(lambda a=actor: ray.kill(a, no_restart=True))
         if old is not None and old is not actor:
             try:
@@ -332,88 +346,6 @@ def _paired(trainer: GRPOTrainer, task: str | None) -> str | None:
     return paired_change([first["correct"][i] for i in pick], [last["correct"][i] for i in pick])
 
 
-def dump_config(config: MasterConfig) -> dict:
-    return json.loads(config.model_dump_json())
-
-
-# Sections a resumed run may change: how long to train and how to log/save/place it, not what.
-# A schedule's length follows a longer run (total_steps: auto): the lr is recomputed from the new length.
-_RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
-                      "policy.scheduler.total_steps", "policy.sequence_packing.", "policy.dynamic_batching.",
-                      "policy.logprob_batch_size", "policy.generation_batch_size",
-                      "grpo.reuse_generation_logprobs", "grpo.logprob_check_period",
-                      "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
-                      "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")
-
-
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix[:-1]: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out |= _flat(v, f"{prefix}{k}.")
-    return out
-
-
-def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
-    """Refuse to resume a checkpoint written by a run with a different recipe (model, data, loss,
-    batch sizes...): continuing it silently would train something nobody asked for."""
-    from nemo_like.config import ConfigError
-
-    saved_path = checkpoint / "run_config.json"
-    if not saved_path.exists():
-        return
-    saved, now = _flat(json.loads(saved_path.read_text())), _flat(dump_config(config))
-    differ = sorted(k for k in set(saved) | set(now)
-                    if saved.get(k) != now.get(k) and not any(k == p or k.startswith(p) for p in _RESUMABLE_CHANGES))
-    if differ:
-        shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])
-        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
-        raise ConfigError(f"checkpointing.checkpoint_dir={config.checkpointing.checkpoint_dir} holds a run with a "
-                          f"different config: {shown}{more}. Use another checkpoint_dir (and logger.log_dir), "
-                          "or delete it to start over")
-
-
-# ---- setup ------------------------------------------------------------------------------------
-def make_train_sampler(ds_cfgs, dataset, seed: int) -> EpochSampler | MixtureSampler:
-    """Epochs over all train rows, or a weighted mixture when the datasets set ``sampling_weight``."""
-    weights = [c.sampling_weight for c in ds_cfgs]
-    if any(w is None for w in weights):  # all or none: MasterConfig checks it
-        return EpochSampler(len(dataset), seed=seed)
-    return MixtureSampler([len(p) for p in getattr(dataset, "parts", [dataset])], weights, seed=seed)
-
-
-def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sft: bool = False):
-    """Rows of each dataset config -> DatumSpecs through its task's processor; several datasets are
-    served as one (a multi-task run)."""
-    from nemo_like.data.interfaces import TaskDataSpec
-    from nemo_like.data.processors import AllTaskProcessedDataset, ConcatTaskDataset, get_processor
-
-    parts = []
-    for ds_cfg, rows in zip(ds_cfgs, rows_list, strict=True):
-        spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
-        proc = get_processor(ds_cfg.processor or ds_cfg.env_name, sft=sft)
-        parts.append(AllTaskProcessedDataset(rows, tokenizer, spec, {ds_cfg.task_name: (spec, proc)},
-                                             max_seq_length=max_seq_length))
-    return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
-
-
-def env_config(cfg: MasterConfig, ds_cfg) -> dict[str, Any]:
-    """``env.<env_name>`` plus the dataset's own reward functions (checked here, before any actor
-    starts, so a typo in an import path is a config error, not a run of zero rewards)."""
-    from nemo_like.environments.reward_fn_environment import get_reward_fn
-
-    out = {k: v for k, v in cfg.env.get(ds_cfg.env_name, {}).items() if k not in TRAINER_SIDE_KEYS}
-    if ds_cfg.reward_fns:
-        for i, r in enumerate(ds_cfg.reward_fns):
-            try:
-                get_reward_fn(r.fn)
-            except (ImportError, KeyError, TypeError) as e:
-                raise ConfigError(f"data (task {ds_cfg.task_name!r}).reward_fns[{i}].fn: {e}") from e
-        out["reward_fns"] = [r.model_dump() for r in ds_cfg.reward_fns]
-    return out
-
-
 def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     """Start (or join) Ray, build the base model if needed, datasets, environment actors, the policy
     workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir."""
@@ -421,7 +353,6 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from transformers import AutoTokenizer
 
     from nemo_like.data.datasets import load_dataset_from_config
-
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
     from nemo_like.environments.registry import create_env_actor, registered_envs
     from nemo_like.environments.supervision import wait_for_env_actors

@@ -4,16 +4,15 @@ assistant tokens only. Used to bootstrap the tiny default model's answer format.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tqdm.auto import tqdm
-
-from nemo_like.utils.logger import progress_interval
 
 from nemo_like.algorithms.loss_functions import NLLLossFn
 from nemo_like.data.sampler import EpochSampler
 from nemo_like.experience.rollouts import flatten_message_logs
+from nemo_like.utils.logger import progress_interval
 
 
 def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, micro_batch_size: int | None = None,

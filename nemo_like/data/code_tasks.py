@@ -38,7 +38,7 @@ from typing import Any, Literal
 import datasets
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nemo_like.data.datasets import DataError
+from nemo_like.data.errors import DataError
 
 __all__ = [
     "CODE_TEMPLATES",

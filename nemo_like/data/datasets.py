@@ -18,15 +18,13 @@ from typing import Any, Literal
 import datasets
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nemo_like.data.errors import DataError  # re-exported: callers catch nemo_like.data.datasets.DataError
+
 OPERATORS = ("+", "-", "*")
 VALIDATION_PERCENT = 10  # share of the problem space held out for the validation split
 # Enumerate the whole problem space when it is at most this big: exact feasibility checks and no
 # rejection-sampling stalls when a request asks for nearly all problems of a small space.
 _ENUMERATION_LIMIT = 200_000
-
-
-class DataError(ValueError):
-    """A data file or dataset is missing or malformed; the message names the file (and line when known)."""
 
 
 class ArithmeticConfig(BaseModel):

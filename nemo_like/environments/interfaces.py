@@ -62,5 +62,5 @@ class EnvironmentInterface(abc.ABC):
         """Hook run once per step on the full batch (e.g. task-level metrics); identity by default."""
         return batch, {}
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook: most environments hold nothing to release
         """Release resources (worker processes, sandboxes). Must be idempotent."""

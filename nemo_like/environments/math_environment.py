@@ -12,7 +12,6 @@ must start fast, and the purely numeric fast path never needs sympy.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import TYPE_CHECKING, Any, ClassVar
 

@@ -93,7 +93,7 @@ def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
                      num_heads=b.model.num_heads, intermediate_size=b.model.intermediate_size,
                      max_position_embeddings=b.model.max_position_embeddings, seed=b.seed, save_dir=tmp)
 
-    from nemo_like.algorithms.grpo import build_task_dataset
+    from nemo_like.algorithms.grpo_setup import build_task_dataset
 
     data_cfgs = [b.data] if b.data else cfg.data.train_list
     dataset = build_task_dataset(data_cfgs, [load_dataset_from_config(d) for d in data_cfgs], tok,

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import string
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from collections.abc import Sequence
-
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

@@ -26,9 +26,19 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nemo_like.utils.checkpoint_io import (MANIFEST, CheckpointError, checkpoint_problems, fsync_path,
-                                           load_train_state, read_manifest, reached, restore_rng,
-                                           save_train_state, verify_checkpoint, write_manifest)
+from nemo_like.utils.checkpoint_io import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_problems,
+    fsync_path,
+    load_train_state,
+    reached,
+    read_manifest,
+    restore_rng,
+    save_train_state,
+    verify_checkpoint,
+    write_manifest,
+)
 from nemo_like.utils.dir_lock import DirLock, DirLockedError
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointingConfig", "DirLockedError", "load_train_state",

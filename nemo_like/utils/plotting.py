@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 DEFAULT_CURVES = ("train/reward_mean", "val/accuracy")
 

@@ -19,9 +19,16 @@ import torch.distributed as dist
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.packing import (
+    PackedBatch,
+    build_packed,
+    check_packing_supported,
+    group_rows,
+    packed_token_logprobs,
+    plan_rows,
+    shared_prefix_lengths,
+)
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
-from nemo_like.models.policy.packing import (PackedBatch, build_packed, check_packing_supported, group_rows,
-                                             packed_token_logprobs, plan_rows, shared_prefix_lengths)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -365,8 +372,11 @@ class HFPolicyWorker:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(self.model, options=opts)
@@ -388,8 +398,11 @@ class HFPolicyWorker:
         """Exact or refused: every tensor of the model from the checkpoint and nothing else (an error
         names the missing and unexpected ones); files read as tensors and plain types only."""
         from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         p = Path(path)
         files = sorted(p.glob("*.safetensors"))

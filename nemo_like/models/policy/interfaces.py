@@ -33,7 +33,7 @@ class SchedulerConfig(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
-    def _decay_needs_total(self) -> "SchedulerConfig":
+    def _decay_needs_total(self) -> SchedulerConfig:
         if self.decay != "constant":
             if self.total_steps is None:
                 raise ValueError(f"scheduler.decay={self.decay!r} needs scheduler.total_steps (optimizer steps)")
@@ -109,7 +109,7 @@ class PolicyConfig(BaseModel):
         return sp.row_length or min(sp.max_tokens_per_microbatch, 4 * self.max_total_sequence_length)
 
     @model_validator(mode="after")
-    def _token_budgets_fit(self) -> "PolicyConfig":
+    def _token_budgets_fit(self) -> PolicyConfig:
         sp, db, longest = self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length
         if sp.enabled and db.enabled:
             raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are both true; "
@@ -126,7 +126,7 @@ class PolicyConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _micro_fits_global(self) -> "PolicyConfig":
+    def _micro_fits_global(self) -> PolicyConfig:
         if self.train_micro_batch_size > self.train_global_batch_size:
             raise ValueError(
                 f"policy.train_micro_batch_size ({self.train_micro_batch_size}) is larger than "

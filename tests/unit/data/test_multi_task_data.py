@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_like.algorithms.grpo import build_task_dataset
+from nemo_like.algorithms.grpo_setup import build_task_dataset
 from nemo_like.config import ConfigError, load_config
 from nemo_like.data.datasets import load_dataset_from_config
 from nemo_like.data.processors import get_processor, register_processor
@@ -103,10 +103,9 @@ def test_mixture_sampler_draws_in_proportion_and_resumes_exactly():
 
 
 def test_sampling_weight_on_all_train_datasets_or_none(config):
-    from nemo_like.algorithms.grpo import make_train_sampler
-    from nemo_like.data.sampler import EpochSampler, MixtureSampler
-
+    from nemo_like.algorithms.grpo_setup import make_train_sampler
     from nemo_like.config import ConfigError, load_yaml_with_defaults, validate_config
+    from nemo_like.data.sampler import EpochSampler, MixtureSampler
 
     raw = load_yaml_with_defaults(CONFIG)
     for d in raw["data"]["train"][1:]:

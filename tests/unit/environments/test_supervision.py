@@ -48,3 +48,4 @@ def test_failure_watch_needs_every_sample_of_a_task_to_fail_in_consecutive_steps
 def test_step_timeouts_per_environment_or_the_global_default():
     limits = step_timeouts({"code": {"step_timeout_s": 5}, "math": {}}, {"py": "code", "arith": "math"}, 600.0)
     assert limits == {"py": 5.0, "arith": 600.0}
+    assert step_timeouts({}, {"t": "x"}, 0)["t"] == float("inf")  # no limit at all only when asked for

@@ -11,8 +11,14 @@ from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.hf_worker import _attention_mask, plan_microbatches, token_logprobs
-from nemo_like.models.policy.packing import (build_packed, check_packing_supported, group_rows,
-                                             packed_token_logprobs, plan_rows, shared_prefix_lengths)
+from nemo_like.models.policy.packing import (
+    build_packed,
+    check_packing_supported,
+    group_rows,
+    packed_token_logprobs,
+    plan_rows,
+    shared_prefix_lengths,
+)
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 

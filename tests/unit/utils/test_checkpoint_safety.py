@@ -22,8 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_like.utils.checkpoint import (CheckpointError, CheckpointManager, DirLockedError, load_train_state,
-                                        restore_rng, save_train_state)
+from nemo_like.utils.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    DirLockedError,
+    load_train_state,
+    restore_rng,
+    save_train_state,
+)
 from nemo_like.utils.checkpoint_io import capture_rng
 
 REPO = Path(__file__).resolve().parents[3]

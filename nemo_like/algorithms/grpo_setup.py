@@ -1,0 +1,95 @@
+"""What `setup()` in grpo.py builds a run from, apart from the trainer: datasets per task, their
+sampler, each environment's constructor config, and the check that a checkpoint belongs to this
+recipe. Also used by the SFT bootstrap and the benchmarks, which must not import the trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config import ConfigError, MasterConfig
+from nemo_like.data.sampler import EpochSampler, MixtureSampler
+from nemo_like.environments.env_config import TRAINER_SIDE_KEYS
+
+__all__ = ["dump_config", "check_resume_compatible", "make_train_sampler", "build_task_dataset", "env_config"]
+
+
+def dump_config(config: MasterConfig) -> dict:
+    return json.loads(config.model_dump_json())
+
+
+# Sections a resumed run may change: how long to train and how to log/save/place it, not what.
+# A schedule's length follows a longer run (total_steps: auto): the lr is recomputed from the new length.
+_RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
+                      "policy.scheduler.total_steps", "policy.sequence_packing.", "policy.dynamic_batching.",
+                      "policy.logprob_batch_size", "policy.generation_batch_size",
+                      "grpo.reuse_generation_logprobs", "grpo.logprob_check_period",
+                      "grpo.max_consecutive_env_failures", "grpo.env_step_timeout_s",
+                      "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
+                      "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.")
+    return out
+
+
+def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint written by a run with a different recipe (model, data, loss,
+    batch sizes...): continuing it silently would train something nobody asked for."""
+    saved_path = checkpoint / "run_config.json"
+    if not saved_path.exists():
+        return
+    saved, now = _flat(json.loads(saved_path.read_text())), _flat(dump_config(config))
+    differ = sorted(k for k in set(saved) | set(now)
+                    if saved.get(k) != now.get(k) and not any(k == p or k.startswith(p) for p in _RESUMABLE_CHANGES))
+    if differ:
+        shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise ConfigError(f"checkpointing.checkpoint_dir={config.checkpointing.checkpoint_dir} holds a run with a "
+                          f"different config: {shown}{more}. Use another checkpoint_dir (and logger.log_dir), "
+                          "or delete it to start over")
+
+
+def make_train_sampler(ds_cfgs, dataset, seed: int) -> EpochSampler | MixtureSampler:
+    """Epochs over all train rows, or a weighted mixture when the datasets set ``sampling_weight``."""
+    weights = [c.sampling_weight for c in ds_cfgs]
+    if any(w is None for w in weights):  # all or none: MasterConfig checks it
+        return EpochSampler(len(dataset), seed=seed)
+    return MixtureSampler([len(p) for p in getattr(dataset, "parts", [dataset])], weights, seed=seed)
+
+
+def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sft: bool = False):
+    """Rows of each dataset config -> DatumSpecs through its task's processor; several datasets are
+    served as one (a multi-task run)."""
+    from nemo_like.data.interfaces import TaskDataSpec
+    from nemo_like.data.processors import AllTaskProcessedDataset, ConcatTaskDataset, get_processor
+
+    parts = []
+    for ds_cfg, rows in zip(ds_cfgs, rows_list, strict=True):
+        spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
+        proc = get_processor(ds_cfg.processor or ds_cfg.env_name, sft=sft)
+        parts.append(AllTaskProcessedDataset(rows, tokenizer, spec, {ds_cfg.task_name: (spec, proc)},
+                                             max_seq_length=max_seq_length))
+    return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
+
+
+def env_config(cfg: MasterConfig, ds_cfg) -> dict[str, Any]:
+    """``env.<env_name>`` plus the dataset's own reward functions (checked here, before any actor
+    starts, so a typo in an import path is a config error, not a run of zero rewards)."""
+    from nemo_like.environments.reward_fn_environment import get_reward_fn
+
+    out = {k: v for k, v in cfg.env.get(ds_cfg.env_name, {}).items() if k not in TRAINER_SIDE_KEYS}
+    if ds_cfg.reward_fns:
+        for i, r in enumerate(ds_cfg.reward_fns):
+            try:
+                get_reward_fn(r.fn)
+            except (ImportError, KeyError, TypeError) as e:
+                raise ConfigError(f"data (task {ds_cfg.task_name!r}).reward_fns[{i}].fn: {e}") from e
+        out["reward_fns"] = [r.model_dump() for r in ds_cfg.reward_fns]
+    return out
