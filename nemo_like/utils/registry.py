@@ -54,10 +54,30 @@ def _describe(target: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    def key(t: Any) -> str:
-        return t.replace(":", ".") if isinstance(t, str) else _describe(t)
+    """Whether registering ``b`` where ``a`` is counts as "the same again" (a no-op)."""
+    if a is b:
+        return True
 
-    return a is b or key(a) == key(b)
+    def key(t: Any) -> str | None:
+        # A path and a module-level definition are the same thing named twice (a re-imported module
+        # gives a new object with the same name). Objects without a name of their own (a tuple, a
+        # dataclass instance) and names that are not unique (lambdas, closures: "<lambda>",
+        # "f.<locals>.g") have no such key: they are compared by value below, or two different
+        # lambdas would silently replace each other.
+        if isinstance(t, str):
+            return t.replace(":", ".")
+        qualname = getattr(t, "__qualname__", None)
+        if not isinstance(qualname, str) or "<" in qualname:
+            return None
+        return f"{getattr(t, '__module__', '?')}.{qualname}"
+
+    ka, kb = key(a), key(b)
+    if ka is not None or kb is not None:
+        return ka == kb
+    try:
+        return bool(a == b)
+    except Exception:  # an __eq__ that returns an array, or raises
+        return False
 
 
 class Registry(Generic[T]):

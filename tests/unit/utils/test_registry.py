@@ -67,3 +67,25 @@ def test_isolated_undoes_registrations():
         reg.register("kept", min, overwrite=True)
         assert reg.names() == ["kept", "temporary"]
     assert reg.names() == ["kept"] and reg.get("kept") is abs
+
+
+def test_unnamed_targets_are_compared_by_value_not_by_type_name():
+    reg: Registry = Registry("thing")
+    reg.register("lam", lambda: 1)
+    with pytest.raises(ValueError, match="already registered"):  # both are "<lambda>": still different
+        reg.register("lam", lambda: 2)
+
+    def make(k):
+        def inner():
+            return k
+
+        return inner
+
+    reg.register("closure", make(1))
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("closure", make(2))
+    reg.register("pair", (abs, None))
+    reg.register("pair", (abs, None))  # an equal tuple: a no-op
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("pair", (len, None))
+    assert reg.get("pair") == (abs, None)
