@@ -1,5 +1,6 @@
 """Shared CLI plumbing: bad input exits with code 2 and one line that names the problem; a run that
-cannot learn (an environment that does not start, grading that keeps failing) exits with code 1."""
+cannot learn (an environment that does not start, grading that keeps failing) exits with code 1, and
+one that collapsed (grpo.stop_on_collapse) with code 3."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
 
 
-def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterConfig], None]) -> int:
+def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterConfig], int | None]) -> int:
     from nemo_like.data.datasets import DataError
     from nemo_like.environments.supervision import EnvironmentFailureError, EnvironmentStartError
     from nemo_like.utils.checkpoint import CheckpointError
@@ -22,19 +23,20 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterCo
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        run(config)
+        code = run(config)
     except (DataError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (EnvironmentStartError, EnvironmentFailureError) as e:  # the run cannot learn: say why, once
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    return int(code or 0)
 
 
-def run_grpo(config: MasterConfig) -> None:
+def run_grpo(config: MasterConfig) -> int:
     """The GRPO CLI: a thin loop over `GRPOExperiment` (the object a notebook drives), then a
-    before/after accuracy summary (per task in multi-task runs) and the curves as a PNG."""
+    before/after accuracy summary (per task in multi-task runs) and the curves as a PNG. A run that
+    collapsed (grpo.stop_on_collapse) ends early with one line and exit code 3."""
     import time
 
     from nemo_like.algorithms.grpo import accuracy_summary, per_task_summary
@@ -49,3 +51,8 @@ def run_grpo(config: MasterConfig) -> None:
             print(f"[nemo_like]   {line}")
         print(f"[nemo_like] {exp.step_count} steps, wall time {time.perf_counter() - t0:.0f} s; "
               f"metrics: {Path(config.logger.log_dir) / 'metrics.jsonl'}; curves: {png}")
+        if exp.stop_reason:
+            where = f"; checkpoint in {config.checkpointing.checkpoint_dir}" if config.checkpointing.enabled else ""
+            print(f"error: stopped: {exp.stop_reason}{where}", file=sys.stderr)
+            return 3
+    return 0

@@ -31,6 +31,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class DynamicSamplingConfig(_Strict):
+    """DAPO dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn."""
+
+    enabled: bool = False
+    # Generation rounds (of grpo.num_prompts_per_step prompts each) at most per step; then the step
+    # trains on the groups it has (the rest of the batch carries no loss; see dynamic_sampling/*).
+    max_gen_batches: int = Field(4, ge=1)
+
+
+class CollapseStopConfig(_Strict):
+    """Stop a run that has collapsed (see nemo_like.algorithms.guards.CollapseWatch)."""
+
+    enabled: bool = True
+    patience: int = Field(5, ge=1)  # consecutive steps a signature must last
+    truncation_rate: float = Field(0.9, ge=0, le=1)  # generation collapse: at least this truncated...
+    reward_floor: float = 0.0  # ...and mean reward at most this
+    zero_std_group_frac: float = Field(0.99, gt=0, le=1)  # advantage collapse: this share of groups flat
+
+
 class GRPOConfig(_Strict):
     num_prompts_per_step: int = Field(16, gt=0)
     num_generations_per_prompt: int = Field(8, gt=1)
@@ -57,6 +76,8 @@ class GRPOConfig(_Strict):
     max_consecutive_env_failures: int = Field(3, ge=0)
     # Time limit of one environment step call, unless env.<name>.step_timeout_s sets its own.
     env_step_timeout_s: float = Field(600.0, gt=0)
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    stop_on_collapse: CollapseStopConfig = CollapseStopConfig()
     seed: int = 42
 
 

@@ -137,6 +137,12 @@ class GRPOExperiment:
         self._check_open()
         return self.trainer.step()
 
+    @property
+    def stop_reason(self) -> str | None:
+        """Why training stopped early (a collapse signature and its step; grpo.stop_on_collapse), or None.
+        ``train`` returns early once it is set; ``step`` still runs if you want to look further."""
+        return self.trainer.stop_reason
+
     def train(self, steps: int | None = None) -> list[dict[str, float]]:
         """``steps`` more GRPO steps (None: up to ``grpo.max_num_steps``) with a progress bar;
         validates first when nothing has been trained yet. Returns the metrics of those steps."""

@@ -26,6 +26,7 @@ from nemo_like.algorithms.grpo_setup import (
     env_config,
     make_train_sampler,
 )
+from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, merge_rounds
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
@@ -72,8 +73,12 @@ class GRPOTrainer:
     # task -> environment name, for tasks whose grader set_env replaced (its step_timeout_s applies)
     env_names: dict[str, str] = field(default_factory=dict)
 
+    collapse_watch: CollapseWatch = field(init=False)
+    stop_reason: str | None = None  # why the run stopped early (a collapse), else None
+
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
+        self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
 
     # ---- one GRPO step --------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -81,19 +86,28 @@ class GRPOTrainer:
         G = cfg.grpo.num_generations_per_prompt
         logprob_eff = None
         with timer.time("total"):
-            # 1. Prompts, each repeated G times; samples of one prompt share a group id.
-            with timer.time("data"):
-                idx = self.sampler.next_indices(cfg.grpo.num_prompts_per_step)
-                prompts = rl_collate_fn([self.train_dataset[i] for i in idx])
-                batch = prompts.repeat_interleave(G)
+            # 1-2. Prompts, each repeated G times (samples of one prompt share a group id), generated
+            # and graded. With dynamic sampling (DAPO) groups whose rewards are all equal are dropped
+            # and more prompts drawn, for at most grpo.dynamic_sampling.max_gen_batches rounds.
+            rounds, keep = [], []
+            while True:
+                with timer.time("data"):
+                    idx = self.sampler.next_indices(cfg.grpo.num_prompts_per_step)
+                    batch = rl_collate_fn([self.train_dataset[i] for i in idx]).repeat_interleave(G)
+                with timer.time("generation_and_reward"):
+                    batch, rollout_metrics = self._rollout(batch, greedy=False)
+                    self.policy.finish_generation()
+                # A task none of whose samples could be graded for too many steps stops the run here.
+                self.env_watch.observe(batch["task_name"], batch["grading_error"])
+                rounds.append((batch, rollout_metrics))
+                keep.append(groups_with_spread(batch["total_reward"], G))
+                ds = cfg.grpo.dynamic_sampling
+                if not ds.enabled or sum(int(k.sum()) for k in keep) >= len(idx) or len(rounds) >= ds.max_gen_batches:
+                    break
+            if ds.enabled:
+                batch, group_ids, rollout_metrics = merge_rounds(rounds, keep, G, len(idx))
+            else:
                 group_ids = torch.arange(len(idx)).repeat_interleave(G)
-
-            # 2. Generate and grade.
-            with timer.time("generation_and_reward"):
-                batch, rollout_metrics = self._rollout(batch, greedy=False)
-                self.policy.finish_generation()
-            # A task none of whose samples could be graded for too many steps stops the run here.
-            self.env_watch.observe(batch["task_name"], batch["grading_error"])
             rewards = batch["total_reward"]
 
             # 3. Advantages: group-relative, computed on the driver (cheap, [N]). A sample no reward
@@ -166,7 +180,9 @@ class GRPOTrainer:
             metrics |= self.validate()
         self.logger.log_metrics(metrics, step=self.step_count)
         self.history.append({"step": self.step_count} | metrics)
-        if self.checkpointer and self.step_count % cfg.checkpointing.save_period == 0:
+        # A collapsed run stops (grpo_train ends, the CLI exits 3), with a checkpoint to look at.
+        self.stop_reason = self.collapse_watch.observe(metrics, self.step_count) or self.stop_reason
+        if self.checkpointer and (self.step_count % cfg.checkpointing.save_period == 0 or self.stop_reason):
             self.save_checkpoint(metrics)
         return metrics
 
@@ -230,7 +246,8 @@ class GRPOTrainer:
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
         save_train_state(tmp, {"step": self.step_count, "sampler": self.sampler.state_dict(),
                                "last_val_metrics": self.last_val_metrics, "first_val_results": self.first_val_results,
-                               "last_val_results": self.last_val_results})
+                               "last_val_results": self.last_val_results,
+                               "collapse_counts": self.collapse_watch.state_dict()})
         return self.checkpointer.finalize_checkpoint(tmp)
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -242,6 +259,7 @@ class GRPOTrainer:
         restore_rng(state["rng"])
         self.last_val_metrics = state["last_val_metrics"]
         self.first_val_results, self.last_val_results = state["first_val_results"], state["last_val_results"]
+        self.collapse_watch.load_state_dict(state.get("collapse_counts") or {})
 
     def set_env(self, task: str, actor: Any, env_name: str | None = None) -> None:
         """Grade ``task`` with ``actor`` (of environment ``env_name``) from the next rollout on; the
@@ -285,14 +303,15 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
     # A context manager: a run that stops with an error ends the bar's line first, so the error is a line of its own.
     with tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True,
               mininterval=progress_interval()) as bar:
-        while trainer.step_count < total:
+        while trainer.step_count < total and not trainer.stop_reason:
             m = trainer.step()
             results.append(m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}", loss=f"{m.get('train/loss', float('nan')):.4f}")
     if cfg.val_at_end and not (cfg.val_period and trainer.step_count % cfg.val_period == 0) and results:
         trainer.validate(log=True)
-    if trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period:
+    if (trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period
+            and not trainer.stop_reason):  # a stopped run saved at its last step already
         trainer.save_checkpoint(results[-1])
     return results
 

@@ -1,0 +1,109 @@
+"""What the GRPO step uses to keep its batch worth training on and to stop a run that has collapsed:
+DAPO's dynamic sampling (keep only groups whose rewards differ) and the collapse watch.
+
+A group whose G rewards are all equal gives every sample advantage 0: it costs a generation and a
+training pass and teaches nothing. When most groups are like that for many steps in a row (the
+model solves everything, fails everything, or only produces truncated junk), the run has stopped
+learning; the most common way runs die in peers' issue trackers is exactly this, unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+
+__all__ = ["groups_with_spread", "merge_rounds", "CollapseWatch"]
+
+
+def groups_with_spread(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    """[N] rewards in groups of G consecutive samples -> [N // G] bool: the group's scorable rewards
+    are not all equal (at least two scorable samples with different rewards)."""
+    r = rewards.view(-1, G)
+    ok = torch.isfinite(r)
+    hi = torch.where(ok, r, torch.full_like(r, -torch.inf)).amax(dim=1)
+    lo = torch.where(ok, r, torch.full_like(r, torch.inf)).amin(dim=1)
+    return (ok.sum(dim=1) >= 2) & (hi > lo)
+
+
+def merge_rounds(rounds: list[tuple[BatchedDataDict, dict[str, float]]], keep: list[torch.Tensor], G: int,
+                 num_groups: int) -> tuple[BatchedDataDict, torch.Tensor, dict[str, float]]:
+    """The first ``num_groups`` kept groups of all rounds, in order; if fewer were kept, the batch is
+    filled with dropped groups carrying ``loss_multiplier`` 0 (the batch keeps its shape, they train
+    nothing). Returns (batch, group ids, metrics): counters of the rollouts summed over rounds,
+    rates averaged, plus ``dynamic_sampling/*``."""
+    chosen: list[tuple[int, int]] = [(r, g) for r, k in enumerate(keep) for g in k.nonzero().flatten().tolist()]
+    fill = max(0, num_groups - len(chosen))
+    dropped = [(r, g) for r, k in enumerate(keep) for g in (~k).nonzero().flatten().tolist()]
+    fillers = set(dropped[:fill])
+    picked = chosen[:num_groups] + dropped[:fill]
+    parts = []
+    for r, g in picked:
+        part = rounds[r][0].slice(g * G, (g + 1) * G)
+        if (r, g) in fillers:
+            part = BatchedDataDict(part)
+            part["loss_multiplier"] = torch.zeros_like(part["loss_multiplier"])
+        parts.append(part)
+    batch = BatchedDataDict.from_batches(parts)
+    metrics: dict[str, float] = {}
+    for _, m in rounds:
+        for k, v in m.items():
+            metrics.setdefault(k, []).append(v)  # type: ignore[arg-type]
+    out: dict[str, float] = {}
+    for k, vs in metrics.items():
+        leaf = k.rsplit("/", 1)[-1]
+        summed = leaf.startswith("num_") or leaf in ("step_errors", "step_timeouts", "generation_s")
+        out[k] = float(sum(vs)) if summed else float(sum(vs) / len(vs))  # type: ignore[arg-type]
+    generated = sum(len(k) for k in keep)
+    out["dynamic_sampling/gen_batches"] = float(len(rounds))
+    out["dynamic_sampling/kept_group_frac"] = len(chosen) / generated if generated else 0.0
+    out["dynamic_sampling/filled_groups"] = float(fill)
+    return batch, torch.arange(len(picked)).repeat_interleave(G), out
+
+
+class CollapseWatch:
+    """Counts consecutive steps showing a collapse signature; ``observe`` returns the reason once a
+    signature lasted ``patience`` steps, else None. Counters are plain ints: saved in checkpoints.
+
+    - generation collapse: truncation rate >= ``truncation_rate`` and mean reward <= ``reward_floor``
+      (the model only produces junk that runs to the length cap);
+    - advantage collapse: the fraction of groups with equal rewards >= ``zero_std_group_frac``
+      (nothing left that gives a gradient).
+    """
+
+    SIGNATURES = ("generation_collapse", "advantage_collapse")
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.counts = dict.fromkeys(self.SIGNATURES, 0)
+
+    def observe(self, metrics: dict[str, float], step: int) -> str | None:
+        c = self.config
+        if not c.enabled:
+            return None
+        seen = {
+            "generation_collapse": metrics.get("train/truncation_rate", 0.0) >= c.truncation_rate
+            and metrics.get("train/reward_mean", 0.0) <= c.reward_floor,
+            "advantage_collapse": metrics.get("train/zero_std_group_frac", 0.0) >= c.zero_std_group_frac,
+        }
+        for sig, hit in seen.items():
+            self.counts[sig] = self.counts[sig] + 1 if hit else 0
+        for sig in self.SIGNATURES:
+            if self.counts[sig] >= c.patience:
+                if sig == "generation_collapse":
+                    why = (f"truncation rate {metrics.get('train/truncation_rate', 0.0):.2f} >= {c.truncation_rate} "
+                           f"and mean reward {metrics.get('train/reward_mean', 0.0):.3f} <= {c.reward_floor}")
+                else:
+                    why = (f"{metrics.get('train/zero_std_group_frac', 0.0):.2f} of groups have equal rewards "
+                           f"(>= {c.zero_std_group_frac})")
+                return (f"{sig} at step {step}: {why} for {self.counts[sig]} consecutive steps "
+                        f"(grpo.stop_on_collapse.patience={c.patience})")
+        return None
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.counts = {sig: int(state.get(sig, 0)) for sig in self.SIGNATURES}

@@ -1,0 +1,95 @@
+"""DAPO dynamic sampling and the collapse stop through the real trainer (Ray, policy workers, the
+reward-function actor). The rewards are forced by functions in _nl_reward_helpers.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_like import GRPOExperiment
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
+
+
+def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=10",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
+        "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
+        "data.train.generator.num_samples=200", "data.validation.generator.num_samples=4",
+        "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
+        "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
+        "bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}",
+        f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
+        f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=100",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("base_cache")
+
+
+def test_dynamic_sampling_trains_only_groups_with_reward_spread(ray_session, tmp_path, cache):
+    over = _overrides(tmp_path, cache, "++data.train.reward_fns=[{fn: _nl_reward_helpers.half_constant}]",
+                      "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=6",
+                      "grpo.stop_on_collapse.enabled=false")
+    with GRPOExperiment(str(CONFIG), over) as exp:
+        for _ in range(2):
+            m = exp.step()
+            batch = exp.trainer.last_batch
+            r = batch["total_reward"].view(-1, 4)
+            trained = batch["loss_multiplier"].view(-1, 4)[:, 0] > 0
+            assert r.shape[0] == 4  # the step still trains num_prompts_per_step groups
+            # every trained group has spread: the constant half was dropped
+            assert bool((r.amax(dim=1) > r.amin(dim=1))[trained].all())
+            assert torch.equal(trained, torch.ones(4, dtype=torch.bool)) == (m["train/dynamic_sampling/filled_groups"] == 0)
+            assert m["train/zero_std_group_frac"] == pytest.approx(1 - float(trained.float().mean()))
+            assert 1 <= m["train/dynamic_sampling/gen_batches"] <= 6
+            assert 0 < m["train/dynamic_sampling/kept_group_frac"] < 1  # about half the prompts are constant
+        # more prompts were drawn than 2 steps x 4, and the sampler's position says so (resumable)
+        assert exp.trainer.sampler.position == 4 * sum(h["train/dynamic_sampling/gen_batches"] for h in exp.trainer.history)
+
+
+def test_advantage_collapse_stops_training_saves_and_survives_resume(ray_session, tmp_path, cache):
+    over = _overrides(tmp_path, cache, "++data.train.reward_fns=[{fn: _nl_reward_helpers.always_zero}]",
+                      "grpo.stop_on_collapse.patience=3")
+    with GRPOExperiment(str(CONFIG), over) as exp:
+        exp.train(steps=2)
+        assert exp.stop_reason is None and exp.step_count == 2
+        exp.save()
+    with GRPOExperiment.resume(tmp_path / "ckpt") as exp:
+        assert exp.trainer.collapse_watch.counts["advantage_collapse"] == 2  # counters came back
+        results = exp.train()  # would run to step 10; stops at step 3
+        assert len(results) == 1 and exp.step_count == 3
+        assert exp.stop_reason == ("advantage_collapse at step 3: 1.00 of groups have equal rewards (>= 0.99) "
+                                   "for 3 consecutive steps (grpo.stop_on_collapse.patience=3)")
+        assert (tmp_path / "ckpt" / "step_3").is_dir()  # saved at the stop, off the save_period
+
+
+def test_generation_collapse_exits_3_with_one_line(tmp_path, cache):
+    over = _overrides(tmp_path, cache, "++data.train.reward_fns=[{fn: _nl_reward_helpers.always_zero}]",
+                      "policy.generation.max_new_tokens=1", "grpo.stop_on_collapse.patience=2",
+                      "grpo.stop_on_collapse.zero_std_group_frac=1.0")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), *over],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: stopped: generation_collapse at step 2: truncation "
+                                                     "rate 1.00 >= 0.9 and mean reward 0.000 <= 0.0"), proc.stderr[-2000:]
+    assert errors[0].endswith(f"checkpoint in {tmp_path / 'ckpt'}")
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (tmp_path / "ckpt" / "step_2").is_dir()
