@@ -46,9 +46,10 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture
-def own_registry(monkeypatch):
+def own_registry():
     """Environments registered by a test stay in that test."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    with registry.ENV_REGISTRY.isolated():
+        yield
 
 
 class FailsToStart(MathEnvironment):

@@ -123,14 +123,22 @@ def test_cli_malformed_jsonl_names_line(tmp_path):
     assert f"{rows}:2: invalid JSON" in proc.stderr
 
 
-def test_env_options_are_checked_against_the_environment_config_model(monkeypatch):
+@pytest.fixture
+def own_env_registry():
+    """Environments registered by a test stay in that test."""
+    from nemo_like.environments.registry import ENV_REGISTRY
+
+    with ENV_REGISTRY.isolated():
+        yield
+
+
+def test_env_options_are_checked_against_the_environment_config_model(own_env_registry):
     from pydantic import Field
 
     from nemo_like.environments import registry
     from nemo_like.environments.env_config import EnvConfig
     from nemo_like.environments.math_environment import MathEnvironment
 
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # registrations stay local
     assert load_config(TINY, ["env.math.timeout_s=3"]).env["math"] == {"timeout_s": 3}
 
     class Untyped(MathEnvironment):  # a user environment that takes its mapping unchecked

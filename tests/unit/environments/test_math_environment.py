@@ -270,9 +270,10 @@ def test_default_config_is_valid() -> None:
 
 # ========================================================================== registry
 @pytest.fixture
-def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+def clean_registry():
     """Registrations made by a test do not leak into the next one."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    with registry.ENV_REGISTRY.isolated():
+        yield
 
 
 def test_math_is_registered() -> None:
@@ -332,7 +333,7 @@ def test_register_rejects_bad_targets(clean_registry) -> None:
 
     with pytest.raises(TypeError, match="step"):
         register_env("bad", NoStep)
-    with pytest.raises(ValueError, match="pkg.module.ClassName"):
+    with pytest.raises(ValueError, match="pkg.module.name"):
         register_env("bad", "NoDots")
     with pytest.raises(TypeError, match="class or an import path"):
         register_env("bad", 42)
