@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from nemo_like.data.interfaces import DatumSpec, LLMMessageLogType, TaskDataSpec
+from nemo_like.utils.registry import Registry, import_from_path
 
 
 class DataProcessor(Protocol):
@@ -255,45 +256,57 @@ def _code_sft(datum, spec, tokenizer, max_seq_length, idx):
                               response_fn=lambda d: str(d["reference_solution"]))
 
 
-# name -> (RL processor, SFT processor); entries may be import paths, resolved on first use so that
-# registering the built-ins imports nothing.
-_PROCESSORS: dict[str, tuple[DataProcessor | str, DataProcessor | str | None]] = {
+ProcessorPair = tuple[DataProcessor | str, DataProcessor | str | None]
+
+
+def _check_pair(name: str, pair: Any) -> None:
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise TypeError(f"data processor {name!r}: expected a (processor, sft_processor) pair, got {pair!r}")
+    for role, entry in zip(("processor", "sft_processor"), pair, strict=True):
+        if role == "sft_processor" and entry is None:
+            continue
+        if not (callable(entry) or (isinstance(entry, str) and entry)):
+            raise TypeError(f"data processor {name!r}: {role} must be a callable or an import path "
+                            f"'pkg.module.name', got {entry!r}")
+
+
+# name -> (RL processor, SFT processor). Either member may be an import path, imported on first use
+# so that registering the built-ins imports nothing; the pair is one entry so that replacing a
+# processor never leaves the previous one's SFT variant behind.
+PROCESSOR_REGISTRY: Registry[ProcessorPair] = Registry("data processor", check=_check_pair, builtins={
     "math": (math_data_processor, _math_sft),
     "code": ("nemo_like.data.code_tasks.code_data_processor", _code_sft),
     "tool": ("nemo_like.data.tool_tasks.tool_data_processor", "nemo_like.data.tool_tasks.tool_sft_data_processor"),
-}
+})
 
 
 def register_processor(name: str, processor: DataProcessor | str, sft_processor: DataProcessor | str | None = None,
                        *, overwrite: bool = False) -> None:
     """Make `processor` (row -> DatumSpec for RL) and optionally `sft_processor` (row -> DatumSpec
-    ending with the target assistant turn) available as `data.<split>.processor: name`."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"processor name must be a non-empty string, got {name!r}")
-    if name in _PROCESSORS and not overwrite:
-        raise ValueError(f"a data processor named {name!r} is already registered; pass overwrite=True")
-    _PROCESSORS[name] = (processor, sft_processor)
+    ending with the target assistant turn) available as `data.<split>.processor: name`. The same pair
+    again is a no-op; a different one needs `overwrite=True`."""
+    PROCESSOR_REGISTRY.register(name, (processor, sft_processor), overwrite=overwrite)
 
 
-def _resolve(entry: DataProcessor | str) -> DataProcessor:
+def _resolve(name: str, entry: DataProcessor | str) -> DataProcessor:
     if not isinstance(entry, str):
         return entry
-    import importlib
-
-    module, _, attr = entry.replace(":", ".").rpartition(".")
-    return getattr(importlib.import_module(module), attr)
+    obj = import_from_path(entry, what=f"data processor {name!r}")
+    if not callable(obj):
+        raise TypeError(f"data processor {name!r}: {entry!r} is a {type(obj).__name__}, not a callable")
+    return obj
 
 
 def get_processor(name: str, *, sft: bool = False) -> DataProcessor:
-    if name not in _PROCESSORS:
-        raise KeyError(f"no data processor named {name!r}; registered: {sorted(_PROCESSORS)} "
-                       "(add one with nemo_like.data.processors.register_processor)")
-    rl, sft_proc = _PROCESSORS[name]
+    try:
+        rl, sft_proc = PROCESSOR_REGISTRY.get(name)
+    except KeyError as e:
+        raise KeyError(f"{e.args[0]} (add one with nemo_like.data.processors.register_processor)") from None
     if sft:
         if sft_proc is None:
             raise KeyError(f"data processor {name!r} has no SFT variant, so it cannot bootstrap a model")
-        return _resolve(sft_proc)
-    return _resolve(rl)
+        return _resolve(name, sft_proc)
+    return _resolve(name, rl)
 
 
 class ConcatTaskDataset(Dataset):

@@ -58,7 +58,7 @@ def test_sft_variants_end_with_the_reference_answer(config):
 
 
 def test_processor_registry():
-    with pytest.raises(KeyError, match=r"no data processor named 'nope'; registered: \['code', 'math', 'tool'"):
+    with pytest.raises(KeyError, match=r"unknown data processor 'nope'; registered: \['code', 'math', 'tool'"):
         get_processor("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_processor("math", lambda *a: None)
@@ -67,6 +67,9 @@ def test_processor_registry():
     assert get_processor("user_task") is marker
     with pytest.raises(KeyError, match="has no SFT variant"):
         get_processor("user_task", sft=True)
+    register_processor("user_task", marker)  # the same pair again: a no-op
+    with pytest.raises(TypeError, match="must be a callable or an import path"):
+        register_processor("bad_task", 3)
 
 
 def test_bad_generator_kind_is_a_config_error(tmp_path):
