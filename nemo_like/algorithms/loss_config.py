@@ -1,0 +1,131 @@
+"""The ``loss_fn:`` config section of the GRPO/PPO policy-gradient loss, and its validation.
+
+Kept apart from the loss arithmetic (``pg_terms.py``) so that the config schema and its rules can be
+read in one place; ``loss_functions.py`` re-exports ``ClippedPGLossConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+__all__ = ["ClippedPGLossConfig", "POLICY_LOSSES", "resolve_pg_loss_config"]
+
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
+POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo", "cispo")
+
+# Keys added after the first release, with their defaults. A dump leaves them out while they hold
+# these defaults: checkpoints record the run config and resuming compares the dumps key by key
+# (grpo_setup.check_resume_compatible), so a key a checkpoint never had would refuse every resume of
+# a run that does not use it; and a default config still dumps exactly as before.
+_ADDED_KEY_DEFAULTS: dict[str, Any] = {
+    "name": "clipped_pg",
+    "policy_loss": "ppo_clip",
+    "truncated_importance_sampling_ratio": None,
+    "importance_sampling_mask": None,
+    "loss_length_normalizer": None,
+}
+
+
+class ClippedPGLossConfig(BaseModel):
+    """The ``loss_fn:`` config section (policy-gradient surrogate + k3 KL to a reference).
+
+    ``name`` picks the registered loss (``get_loss_fn(name, config)``); ``policy_loss`` the
+    surrogate: "ppo_clip" (token ratio, clipped), "gspo" (sequence ratio, clipped), "cispo"
+    (clipped ratio as a constant weight on the logprob). ``truncated_importance_sampling_ratio``
+    caps and ``importance_sampling_mask`` filters the IS weight of
+    ``use_importance_sampling_correction``; ``loss_length_normalizer`` selects the Dr.GRPO
+    reduction (a constant length instead of the token or sequence counts).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str = Field("clipped_pg", min_length=1)
+    policy_loss: PolicyLoss = "ppo_clip"
+    ratio_clip_min: float = Field(0.2, ge=0.0, allow_inf_nan=False)
+    ratio_clip_max: float = Field(0.2, ge=0.0, allow_inf_nan=False)
+    ratio_clip_c: float | None = Field(None, allow_inf_nan=False)
+    reference_policy_kl_penalty: float = Field(0.01, ge=0.0, allow_inf_nan=False)
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    importance_sampling_mask: tuple[float, float] | None = None
+    token_level_loss: bool = True
+    # strict: a bool or a float such as 1e3 here is far more likely a slip than a length.
+    loss_length_normalizer: int | None = Field(None, ge=1, strict=True)
+
+    @field_validator("ratio_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float | None) -> float | None:
+        # c <= 1 would cap the loss of negative-advantage tokens at or below the ordinary clip,
+        # silently turning the surrogate into something else.
+        if value is not None and not value > 1.0:
+            raise ValueError(f"ratio_clip_c (dual-clip bound) must be > 1 when set, got {value}")
+        return value
+
+    @field_validator("importance_sampling_mask")
+    @classmethod
+    def _mask_bounds(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is None:
+            return None
+        low, high = value
+        # inf would not survive a JSON dump of the run config; NaN makes every comparison false.
+        if not all(abs(b) < float("inf") for b in value):
+            raise ValueError(f"importance_sampling_mask bounds must be finite, got {list(value)}")
+        if not 0.0 <= low < high:
+            raise ValueError(
+                f"importance_sampling_mask must be [low, high] with 0 <= low < high, got {list(value)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ClippedPGLossConfig:
+        # Each of these would otherwise be silently ignored by the loss.
+        if self.ratio_clip_c is not None and self.policy_loss != "ppo_clip":
+            raise ValueError(
+                f"ratio_clip_c (dual clip) applies to policy_loss 'ppo_clip' only; got "
+                f"policy_loss={self.policy_loss!r} with ratio_clip_c={self.ratio_clip_c}"
+            )
+        if not self.use_importance_sampling_correction:
+            for key in ("truncated_importance_sampling_ratio", "importance_sampling_mask"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"{key} acts on the importance-sampling weight: it needs "
+                        "use_importance_sampling_correction: true"
+                    )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_added_keys_at_default(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key, default in _ADDED_KEY_DEFAULTS.items():
+            if key in data and data[key] == default:
+                del data[key]
+        return data
+
+
+def resolve_pg_loss_config(config: ClippedPGLossConfig | Mapping[str, Any]) -> ClippedPGLossConfig:
+    """Validate ``config`` (model or plain dict) into a ClippedPGLossConfig; ValueError if bad."""
+    if isinstance(config, ClippedPGLossConfig):
+        data: Any = config.model_dump()  # re-validate: model_construct() bypasses validators
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        raise TypeError(
+            "clipped PG loss config must be a ClippedPGLossConfig or a dict, "
+            f"got {type(config).__name__}"
+        )
+    try:
+        return ClippedPGLossConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid clipped PG loss config: {exc}") from exc
