@@ -32,7 +32,6 @@ import inspect
 import json
 import random
 import re
-import threading
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -41,8 +40,10 @@ from typing import Any
 
 # Re-exported: callers check a call's arguments with `tools.validate_arguments`.
 from nemo_like.environments.tool_schema import MAX_SCHEMA_DEPTH, validate_arguments  # noqa: F401
+from nemo_like.utils.registry import Registry, import_from_path
 
 __all__ = [
+    "TOOL_REGISTRY",
     "Tool",
     "tool",
     "register_tool",
@@ -84,8 +85,15 @@ class Tool:
         }
 
 
-_REGISTRY: dict[str, Tool] = {}
-_LOCK = threading.Lock()
+def _check_tool(name: str, obj: Any) -> None:
+    if not isinstance(obj, Tool):
+        raise TypeError(f"tool {name!r}: expected a Tool (use register_tool), got {type(obj).__name__}")
+    if obj.name != name:
+        raise ValueError(f"tool {name!r}: the Tool is named {obj.name!r}; register it under its own name")
+
+
+# Tests keep their tools local with ``with TOOL_REGISTRY.isolated(): ...``.
+TOOL_REGISTRY: Registry[Tool] = Registry("tool", check=_check_tool)
 
 
 # --------------------------------------------------------------------------- schema derivation
@@ -286,14 +294,15 @@ def register_tool(
     if not isinstance(description, str):
         raise TypeError(f"tool {name!r}: description must be a string, got {type(description).__name__}")
     new = Tool(name=name, description=description, parameters=parameters, fn=fn)
-    with _LOCK:
-        old = _REGISTRY.get(name)
-        if old is not None and not overwrite and (old.fn is not fn or old != new):
-            raise ValueError(
-                f"tool {name!r} is already registered (to {getattr(old.fn, '__qualname__', old.fn)!r}); "
-                "pass overwrite=True to replace it"
-            )
-        _REGISTRY[name] = new
+    # Tools compare by name, description and schema only, so the registry alone would take another
+    # function with the same schema for "the same again": the function is checked here.
+    old = TOOL_REGISTRY.get(name) if name in TOOL_REGISTRY else None
+    if old is not None and not overwrite and old.fn is not fn:
+        raise ValueError(
+            f"tool {name!r} is already registered (to {getattr(old.fn, '__qualname__', old.fn)!r}); "
+            "pass overwrite=True to replace it"
+        )
+    TOOL_REGISTRY.register(name, new, overwrite=overwrite)
     return new
 
 
@@ -319,23 +328,18 @@ def tool(
 
 def unregister_tool(name: str) -> None:
     """Remove a tool (no error if absent); mostly for tests."""
-    with _LOCK:
-        _REGISTRY.pop(name, None)
+    TOOL_REGISTRY.unregister(name)
 
 
 def registered_tools() -> list[str]:
     """Sorted names of all registered tools."""
-    with _LOCK:
-        return sorted(_REGISTRY)
+    return TOOL_REGISTRY.names()
 
 
 def get_tool(name: str) -> Tool:
-    with _LOCK:
-        t = _REGISTRY.get(name) if isinstance(name, str) else None
-        known = sorted(_REGISTRY)
-    if t is None:
-        raise KeyError(f"unknown tool {name!r}; registered tools: {known}")
-    return t
+    if not isinstance(name, str) or not name:  # a name parsed from a model's output may be anything
+        raise KeyError(f"unknown tool {name!r}; registered: {registered_tools()}")
+    return TOOL_REGISTRY.get(name)
 
 
 def resolve_tool(spec: str) -> Tool:
@@ -347,24 +351,16 @@ def resolve_tool(spec: str) -> Tool:
     """
     if not isinstance(spec, str) or not spec:
         raise TypeError(f"a tool must be named by a non-empty string, got {spec!r}")
-    with _LOCK:
-        t = _REGISTRY.get(spec)
-    if t is not None:
-        return t
-    if "." not in spec and ":" not in spec:
-        raise KeyError(f"unknown tool {spec!r}; registered tools: {registered_tools()}")
-    import importlib
-
-    module_name, _, attr = spec.replace(":", ".").rpartition(".")
+    if spec in TOOL_REGISTRY or ("." not in spec and ":" not in spec):
+        return get_tool(spec)
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        fn = import_from_path(spec, what="tool")
+    except (ImportError, ValueError) as e:
         raise KeyError(f"unknown tool {spec!r}: not a registered name and not importable ({e})") from None
     existing = getattr(fn, "__tool__", None)
     if isinstance(existing, Tool):
         return existing
-    with _LOCK:
-        same = [t for t in _REGISTRY.values() if t.fn is fn]
+    same = [t for _, t in TOOL_REGISTRY.items() if t.fn is fn]
     if same:  # registered explicitly (register_tool), perhaps under another name or schema
         return same[0]
     return register_tool(fn)

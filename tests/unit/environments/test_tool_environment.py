@@ -20,6 +20,7 @@ from nemo_like.environments.tool_environment import (
     parse_tool_calls,
 )
 from nemo_like.environments.tools import (
+    TOOL_REGISTRY,
     derive_parameters,
     get_tool,
     register_tool,
@@ -191,7 +192,7 @@ def test_builtin_tools_and_schemas() -> None:
     assert schemas[1]["function"]["parameters"]["properties"]["key"]["type"] == "string"
     assert schemas[1]["function"]["parameters"]["required"] == ["key"]
     json.dumps(schemas)  # plain JSON
-    with pytest.raises(KeyError, match="registered tools"):
+    with pytest.raises(KeyError, match=r"unknown tool 'nope'.*registered: \[.*'add'"):
         tool_schemas(["nope"])
 
 
@@ -288,6 +289,13 @@ def test_decorator_and_explicit_registration(scratch_tools) -> None:
     register_tool(shout, "nl_t_shout", "Upper-case.", params)
     assert tool_schemas(["nl_t_shout"])[0]["function"]["parameters"] == params
     register_tool(shout, "nl_t_shout", "Upper-case.", params)  # same again: no-op
+    with pytest.raises(ValueError, match="already registered"):  # same schema, another function
+        register_tool(lambda text: text.upper(), "nl_t_shout", "Upper-case.", params)
+    with TOOL_REGISTRY.isolated():
+        with pytest.raises(TypeError, match="expected a Tool"):
+            TOOL_REGISTRY.register("nl_t_raw", shout)
+        with pytest.raises(ValueError, match="named 'add'"):
+            TOOL_REGISTRY.register("nl_t_alias", get_tool("add"))
     with pytest.raises(ValueError, match="already registered"):
         register_tool(lambda text: text, "nl_t_shout", "Other.", params)
     register_tool(lambda text: text, "nl_t_shout", "Other.", params, overwrite=True)
