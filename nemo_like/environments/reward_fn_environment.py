@@ -33,29 +33,29 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nemo_like.environments.env_config import EnvConfig, validate_env_config
 from nemo_like.environments.grader_pool import resolve_callable
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
+from nemo_like.utils.registry import Registry
 
-__all__ = ["RewardFnEnvironment", "RewardFnEnvConfig", "RewardFnSpec", "register_reward_fn", "get_reward_fn",
-           "registered_reward_fns", "math_accuracy", "boxed_format"]
+__all__ = ["REWARD_FN_REGISTRY", "RewardFnEnvironment", "RewardFnEnvConfig", "RewardFnSpec", "register_reward_fn",
+           "get_reward_fn", "registered_reward_fns", "math_accuracy", "boxed_format"]
 
-_REWARD_FNS: dict[str, Callable[..., Any]] = {}
-
-
-def register_reward_fn(name: str, fn: Callable | None = None, *, overwrite: bool = False):
-    """Register ``fn`` under ``name``; use as ``register_reward_fn("x", f)`` or ``@register_reward_fn("x")``."""
-    if fn is None:
-        return lambda f: register_reward_fn(name, f, overwrite=overwrite)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"reward function name must be a non-empty string, got {name!r}")
+def _check_callable(name: str, fn: Any) -> None:
     if not callable(fn):
         raise TypeError(f"reward function {name!r} must be callable, got {type(fn).__name__}")
-    if name in _REWARD_FNS and _REWARD_FNS[name] is not fn and not overwrite:
-        raise ValueError(f"reward function {name!r} is already registered; pass overwrite=True to replace it")
-    _REWARD_FNS[name] = fn
-    return fn
+
+
+# Tests keep their registrations local with ``with REWARD_FN_REGISTRY.isolated(): ...``.
+REWARD_FN_REGISTRY: Registry[Callable[..., Any]] = Registry("reward function", check=_check_callable)
+
+
+def register_reward_fn(name: str, fn: Callable | str | None = None, *, overwrite: bool = False):
+    """Register ``fn`` (a callable, or an import path imported on first use) under ``name``; use as
+    ``register_reward_fn("x", f)`` or ``@register_reward_fn("x")``. The same function again is a
+    no-op; another one needs ``overwrite=True``."""
+    return REWARD_FN_REGISTRY.register(name, fn, overwrite=overwrite)
 
 
 def registered_reward_fns() -> list[str]:
-    return sorted(_REWARD_FNS)
+    return REWARD_FN_REGISTRY.names()
 
 
 def get_reward_fn(ref: str | Callable) -> Callable:
@@ -64,11 +64,11 @@ def get_reward_fn(ref: str | Callable) -> Callable:
         return ref
     if not isinstance(ref, str) or not ref:
         raise TypeError(f"a reward function is a callable, a registered name or an import path, got {ref!r}")
-    if ref in _REWARD_FNS:
-        return _REWARD_FNS[ref]
-    if "." not in ref.replace(":", "."):
-        raise KeyError(f"unknown reward function {ref!r}; registered: {registered_reward_fns()}, "
-                       "or give an import path like 'my_pkg.rewards:my_reward'")
+    if ref in REWARD_FN_REGISTRY or "." not in ref.replace(":", "."):
+        try:
+            return REWARD_FN_REGISTRY.get(ref)
+        except KeyError as e:
+            raise KeyError(f"{e.args[0]}, or give an import path like 'my_pkg.rewards:my_reward'") from None
     return resolve_callable(ref)
 
 

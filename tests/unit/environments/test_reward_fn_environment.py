@@ -14,11 +14,14 @@ import torch
 
 from nemo_like.data.datasets import DatasetConfig
 from nemo_like.environments.reward_fn_environment import (
+    REWARD_FN_REGISTRY,
     RewardFnEnvConfig,
     RewardFnEnvironment,
+    boxed_format,
     get_reward_fn,
     math_accuracy,
     register_reward_fn,
+    registered_reward_fns,
 )
 
 
@@ -187,6 +190,12 @@ def test_builtin_and_import_path_lookup():
     register_reward_fn("twice_test", lambda c, **_: [2.0] * len(c))
     with pytest.raises(ValueError, match="already registered"):
         register_reward_fn("twice_test", lambda c, **_: [3.0] * len(c))
+    with REWARD_FN_REGISTRY.isolated():
+        register_reward_fn("fmt_by_path", "nemo_like.environments.reward_fn_environment:boxed_format")
+        assert get_reward_fn("fmt_by_path") is boxed_format  # imported on first use
+        with pytest.raises(TypeError, match="must be callable"):
+            register_reward_fn("not_a_fn", 3)
+    assert "fmt_by_path" not in registered_reward_fns()
 
 
 def test_dataset_config_routes_reward_fns_to_the_reward_fn_environment():
