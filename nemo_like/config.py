@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_like.algorithms.loss_functions import ClippedPGLossConfig
+from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
 from nemo_like.data.datasets import DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import env_config_model
@@ -220,6 +220,10 @@ class MasterConfig(_Strict):
                     check_model_source(name, key=f"policy.{key}")
         for name, options in self.env.items():
             self._check_env_options(name, options)
+        try:  # the loss by name from its registry, as setup builds it
+            check_loss_name(self.loss_fn.name)
+        except KeyError as e:
+            raise ValueError(f"loss_fn.name: {e.args[0]}") from None
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]
@@ -293,6 +297,18 @@ def _schema_has(model: type[BaseModel] | None, keys: list[str]) -> bool:
     return True
 
 
+def _schema_fields(model: type[BaseModel] | None, keys: list[str]) -> list[str]:
+    """Field names the schema has at ``keys`` (for a did-you-mean when the YAML has no such section)."""
+    for k in keys:
+        field = model.model_fields.get(k) if model is not None else None
+        if field is None:
+            return []
+        sub = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+               if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = sub[0] if sub else None
+    return list(model.model_fields) if model is not None else []
+
+
 def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
     """`a.b=value` sets a key that the YAML or the schema knows; `++a.b=value` may add any key.
     Values are parsed as YAML (`3` int, `true` bool, `null` None, `[1,2]` list)."""
@@ -316,7 +332,7 @@ def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
             node = node[k]
         present = parts[-1] in node
         if not (present or force or _schema_has(MasterConfig, parts)):
-            close = difflib.get_close_matches(parts[-1], list(node), n=1)
+            close = difflib.get_close_matches(parts[-1], list(node) + _schema_fields(MasterConfig, parts[:-1]), n=1)
             hint = f" (did you mean {'.'.join(parts[:-1] + close)}?)" if close else ""
             raise ConfigError(f"override {ov!r}: unknown config key {key!r}{hint}; use ++{key}=... to add it")
         node[parts[-1]] = value

@@ -27,7 +27,7 @@ from nemo_like.algorithms.grpo_setup import (
     make_train_sampler,
 )
 from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, merge_rounds
-from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.algorithms.loss_functions import LossFunction, get_loss_fn
 from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
@@ -60,7 +60,7 @@ class GRPOTrainer:
     logger: Logger
     checkpointer: CheckpointManager | None
     sampler: EpochSampler | MixtureSampler
-    loss_fn: ClippedPGLossFn
+    loss_fn: LossFunction
     step_count: int = 0
     last_val_metrics: dict[str, float] = field(default_factory=dict)
     # Per-problem results of the first and the latest validation (task_name, correct), for paired stats.
@@ -454,7 +454,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     trainer = GRPOTrainer(config=cfg, policy=policy, tokenizer=tokenizer, train_dataset=train_ds,
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
-                          loss_fn=ClippedPGLossFn(cfg.loss_fn), _resources=resources)
+                          loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources)
     try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
         latest = ckpt.open_for_run(resume) if ckpt else None
         if latest is not None:
