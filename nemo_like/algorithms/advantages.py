@@ -1,15 +1,36 @@
-"""Advantage estimators (GRPO group-relative advantages) and their registry.
+"""Advantage estimators and their registry.
 
-An estimator is ``fn(rewards: Tensor[N], group_ids: Tensor[N], **kwargs) -> Tensor[N]``; samples
-generated from the same prompt share a group id.
+Every registered estimator is called by the trainer as::
+
+    estimator(rewards: Tensor[N], group_ids: Tensor[N], *, config, token_mask: Tensor[N, T] | None = None)
+        -> Tensor[N]
+
+``config`` is the run's ``grpo`` config section: an estimator reads what it needs with ``getattr``
+and a default, so a new estimator is one decorated function (``@register_advantage_estimator("x")``)
+and no edit to the trainer. ``token_mask`` is for estimators that need the sequence lengths; the
+built-ins are sequence-level and ignore it. Samples generated from the same prompt share a group id;
+groups may have any size and appear in any order.
+
+Rewards must be finite: the trainer passes only the samples some reward function could score. A
+sample whose reward is NaN stays out of every baseline and gets advantage 0 — the trainer does that
+masking, not the estimators, which raise ValueError on a non-finite reward. The built-ins compute in
+float64, return the rewards' dtype (float32 for integer/bool rewards) and carry no gradient.
+
+Built-ins: ``grpo`` (:func:`compute_grpo_advantages` with ``use_leave_one_out_baseline`` and
+``std_scale``), ``dr_grpo`` (reward minus group mean, no std: Dr. GRPO), ``rloo`` (reward minus the
+mean of the group's other members) and ``reinforce_pp`` (group-centred, then normalised over the
+batch: REINFORCE++ baseline).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+
+from nemo_like.utils.registry import Registry
 
 AdvantageEstimator = Callable[..., torch.Tensor]
 _STD_SCALES = ("group", "batch", None)
@@ -97,46 +118,111 @@ def compute_grpo_advantages(
     return adv.to(out_dtype)
 
 
+def compute_rloo_advantages(
+    rewards: torch.Tensor | Sequence[float], group_ids: torch.Tensor | Sequence[int]
+) -> torch.Tensor:
+    """RLOO: ``r_i`` minus the mean of the *other* members of its group; a group of one gets 0."""
+    return compute_grpo_advantages(rewards, group_ids, leave_one_out=True, std_scale=None)
+
+
+def compute_reinforce_pp_advantages(
+    rewards: torch.Tensor | Sequence[float], group_ids: torch.Tensor | Sequence[int], *, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline: ``a = r - group mean``, then over the whole batch
+    ``(a - mean(a)) / (std(a) + eps)`` with the unbiased std; only ``a - mean(a)`` when that std is
+    0 or N < 2 (nothing to scale by)."""
+    if not (eps >= 0.0 and eps != float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    rewards_t = _as_1d("rewards", rewards)
+    out_dtype = rewards_t.dtype if rewards_t.is_floating_point() else torch.float32
+    # Centred in float64 (compute_grpo_advantages returns its input's dtype) so that the batch
+    # normalisation does not amplify float32 rounding.
+    a = compute_grpo_advantages(rewards_t.detach().to(torch.float64), group_ids, leave_one_out=False,
+                                std_scale=None)
+    if a.shape[0] == 0:
+        return a.to(out_dtype)
+    a = a - a.mean()
+    if a.shape[0] > 1:
+        std = float(a.std(unbiased=True))
+        if std > 0:
+            a = a / (std + eps)
+    return a.to(out_dtype)
+
+
 _E = TypeVar("_E", bound=AdvantageEstimator)
-_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage_estimator(name: str) -> Callable[[_E], _E]:
-    """Decorator registering ``fn(rewards, group_ids, **kwargs) -> Tensor[N]`` under ``name``.
-
-    A different object under a taken name raises ValueError (re-importing the same definition is
-    allowed).
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"advantage estimator name must be a non-empty string, got {name!r}")
-
-    def decorator(fn: _E) -> _E:
-        existing = _ESTIMATORS.get(name)
-        if existing is not None and _qualified(existing) != _qualified(fn):
-            raise ValueError(
-                f"advantage estimator {name!r} is already registered to {_qualified(existing)}"
-            )
-        _ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+def _check_estimator(name: str, fn: Any) -> None:
+    # Checked when registered, so a wrong signature fails at import, not at the first training step.
+    if not callable(fn):
+        raise TypeError(f"advantage estimator {name!r} must be callable, got {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature to inspect
+        return
+    try:
+        signature.bind(None, None, config=None, token_mask=None)
+    except TypeError as e:
+        raise TypeError(f"advantage estimator {name!r} must accept (rewards, group_ids, *, config, "
+                        f"token_mask=None): {e}") from None
 
 
-def _qualified(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+# Tests keep their registrations local with ``with ADVANTAGE_ESTIMATORS.isolated(): ...``.
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", check=_check_estimator)
+
+
+def register_advantage_estimator(name: str, fn: AdvantageEstimator | str | None = None, *,
+                                 overwrite: bool = False) -> Any:
+    """Register ``fn(rewards, group_ids, *, config, token_mask=None) -> Tensor[N]`` under ``name``:
+    ``@register_advantage_estimator("x")`` or ``register_advantage_estimator("x", fn_or_import_path)``.
+    The same definition again is a no-op; another one needs ``overwrite=True``."""
+    return ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered under ``name``; KeyError listing the registered names if unknown."""
-    if name not in _ESTIMATORS:
-        raise KeyError(
-            f"unknown advantage estimator {name!r}; registered: {sorted(_ESTIMATORS)}"
-        )
-    return _ESTIMATORS[name]
+    """The estimator registered under ``name``; KeyError with a did-you-mean if unknown."""
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def registered_advantage_estimators() -> list[str]:
-    return sorted(_ESTIMATORS)
+    return ADVANTAGE_ESTIMATORS.names()
 
 
-register_advantage_estimator("grpo")(compute_grpo_advantages)
+@register_advantage_estimator("grpo")
+def grpo_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                   token_mask: torch.Tensor | None = None, **legacy: Any) -> torch.Tensor:
+    """:func:`compute_grpo_advantages` with ``config.use_leave_one_out_baseline`` (default True) and
+    ``config.std_scale`` (default "group").
+
+    Transition: without ``config``, ``leave_one_out=``/``std_scale=`` keywords are passed through
+    (the trainer's call before it passed ``config``); remove ``**legacy`` once nothing uses it.
+    """
+    if config is None:
+        return compute_grpo_advantages(rewards, group_ids, **legacy)
+    if legacy:
+        raise TypeError(f"grpo estimator: pass either config or {sorted(legacy)}, not both")
+    return compute_grpo_advantages(rewards, group_ids,
+                                   leave_one_out=getattr(config, "use_leave_one_out_baseline", True),
+                                   std_scale=getattr(config, "std_scale", "group"))
+
+
+@register_advantage_estimator("dr_grpo")
+def dr_grpo_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                      token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reward minus the group mean: no std division (its per-group scaling biases toward groups
+    that are nearly all right or all wrong) and no leave-one-out; ignores the config."""
+    return compute_grpo_advantages(rewards, group_ids, leave_one_out=False, std_scale=None)
+
+
+@register_advantage_estimator("rloo")
+def rloo_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                   token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`compute_rloo_advantages`; ignores the config."""
+    return compute_rloo_advantages(rewards, group_ids)
+
+
+@register_advantage_estimator("reinforce_pp")
+def reinforce_pp_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                           token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`compute_reinforce_pp_advantages` with its default eps; ignores the config."""
+    return compute_reinforce_pp_advantages(rewards, group_ids)

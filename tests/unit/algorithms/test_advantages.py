@@ -10,13 +10,18 @@ Fixture batch (ids interleaved, in no particular order):
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nemo_like.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
     compute_grpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_rloo_advantages,
     get_advantage_estimator,
+    grpo_estimator,
     register_advantage_estimator,
     registered_advantage_estimators,
 )
@@ -127,16 +132,100 @@ def test_bad_inputs():
         compute_grpo_advantages(REWARDS, IDS, eps=-1.0)
 
 
+# ================================================================ the registered estimators
+# Second fixture: groups [1, 0, 0, 1] (id 3), [2, 2] (id 1), [5] (id 8).
+#   group 3: mean 0.5, unbiased std sqrt(1/3) = 0.5773503; leave-one-out baselines 1/3 (r=1), 2/3 (r=0)
+#   batch:   mean 11/7, unbiased std sqrt((2*16 + 2*121 + 2*9 + 576)/49 / 6) = sqrt(62/21) = 1.7182494
+#   reinforce_pp: a = r - group mean = [.5, -.5, -.5, .5, 0, 0, 0], mean(a) = 0,
+#                 unbiased std(a) = sqrt(1/6) = 0.4082483
+R7 = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 5.0])
+IDS7 = torch.tensor([3, 3, 3, 3, 1, 1, 8])
+EXPECTED7 = {
+    # (name, use_leave_one_out_baseline, std_scale): expected advantages
+    ("grpo", True, "group"): [1.1546985, -1.1546985, -1.1546985, 1.1546985, 0, 0, 0],  # (2/3)/(0.5773503+1e-6)
+    ("grpo", False, "group"): [0.8660239, -0.8660239, -0.8660239, 0.8660239, 0, 0, 0],  # 0.5/(0.5773503+1e-6)
+    ("grpo", True, "batch"): [0.3879916, -0.3879916, -0.3879916, 0.3879916, 0, 0, 0],  # (2/3)/(1.7182494+1e-6)
+    ("grpo", False, None): [0.5, -0.5, -0.5, 0.5, 0, 0, 0],
+    ("dr_grpo", True, "group"): [0.5, -0.5, -0.5, 0.5, 0, 0, 0],  # the config does not matter
+    ("rloo", False, "batch"): [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0],  # 1 - 1/3, 0 - 2/3
+    ("reinforce_pp", True, "group"): [1.2247419, -1.2247419, -1.2247419, 1.2247419, 0, 0, 0],  # 0.5/(0.4082483+1e-6)
+}
+
+
+def grpo_section(loo=True, scale="group"):
+    """Stands in for the run's ``grpo`` config section (only the attributes estimators read)."""
+    return SimpleNamespace(use_leave_one_out_baseline=loo, std_scale=scale, num_generations_per_prompt=4)
+
+
+@pytest.mark.parametrize("name, loo, scale", list(EXPECTED7))
+def test_registered_estimators_hand_computed(name, loo, scale):
+    estimator = get_advantage_estimator(name)
+    adv = estimator(R7, IDS7, config=grpo_section(loo, scale), token_mask=torch.ones(7, 5))
+    assert adv.dtype == torch.float32 and adv.shape == (7,) and not adv.requires_grad
+    assert torch.allclose(adv.double(), torch.tensor(EXPECTED7[name, loo, scale], dtype=torch.float64),
+                          atol=1e-6, rtol=0)
+    # any order of groups and samples, arbitrary ids: the same values, permuted
+    perm = torch.tensor([6, 2, 4, 0, 5, 3, 1])
+    shuffled = estimator(R7[perm], IDS7[perm] * 100 - 7, config=grpo_section(loo, scale))
+    assert torch.allclose(shuffled, adv[perm], atol=1e-6, rtol=0)
+
+
+def test_public_rloo_and_reinforce_pp_functions():
+    assert compute_rloo_advantages(R7, IDS7).tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0])
+    # group [1, 2, 6]: 1 - (2+6)/2 = -3, 2 - 3.5 = -1.5, 6 - 1.5 = 4.5
+    assert compute_rloo_advantages([1.0, 2.0, 6.0], [0, 0, 0]).tolist() == pytest.approx([-3.0, -1.5, 4.5])
+    adv = compute_reinforce_pp_advantages(R7.double(), IDS7, eps=0.0)
+    assert adv.dtype == torch.float64
+    assert adv.tolist() == pytest.approx([math.sqrt(1.5), -math.sqrt(1.5), -math.sqrt(1.5), math.sqrt(1.5), 0, 0, 0])
+    # batch std 0 (every group constant) or a single sample: a - mean(a), i.e. exact zeros here
+    assert compute_reinforce_pp_advantages([2.0, 2.0, 7.0], [0, 0, 1]).tolist() == [0.0, 0.0, 0.0]
+    assert compute_reinforce_pp_advantages([4.0], [0]).tolist() == [0.0]
+    assert compute_reinforce_pp_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    # integer rewards -> float32; no gradient flows back
+    assert compute_reinforce_pp_advantages([1, 0], [0, 0]).dtype == torch.float32
+    grad_rewards = R7.clone().requires_grad_(True)
+    for fn in (compute_rloo_advantages, compute_reinforce_pp_advantages):
+        assert not fn(grad_rewards, IDS7).requires_grad
+    with pytest.raises(ValueError, match="eps"):
+        compute_reinforce_pp_advantages(R7, IDS7, eps=-1.0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_non_finite_rewards_are_refused(name):
+    # The trainer masks NaN (unscorable) rewards out before calling an estimator.
+    with pytest.raises(ValueError, match=r"non-finite at indices \[1\]"):
+        get_advantage_estimator(name)(torch.tensor([0.0, math.nan, 1.0]), torch.tensor([0, 0, 0]),
+                                      config=grpo_section())
+
+
+def test_grpo_estimator_config_defaults_and_legacy_keywords():
+    grpo = get_advantage_estimator("grpo")
+    # a config without the attributes: leave-one-out with group std, compute_grpo_advantages' defaults
+    assert torch.allclose(grpo(R7, IDS7, config=SimpleNamespace()), grpo(R7, IDS7, config=grpo_section()))
+    # the trainer's keyword call from before config (kept while it changes over)
+    legacy = grpo(R7, IDS7, leave_one_out=False, std_scale=None)
+    assert legacy.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]
+    with pytest.raises(TypeError, match="either config or"):
+        grpo(R7, IDS7, config=grpo_section(), std_scale=None)
+
+
 def test_estimator_registry():
-    assert get_advantage_estimator("grpo") is compute_grpo_advantages
-    assert "grpo" in registered_advantage_estimators()
-    with pytest.raises(KeyError, match=r"registered: \[.*'grpo'"):
-        get_advantage_estimator("ppo_gae")
+    assert get_advantage_estimator("grpo") is grpo_estimator
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp"} <= set(registered_advantage_estimators())
+    with pytest.raises(KeyError, match=r"unknown advantage estimator 'rlooo' \(did you mean 'rloo'\?\); registered: \[.*'grpo'"):
+        get_advantage_estimator("rlooo")
 
-    @register_advantage_estimator("test_raw_reward")
-    def raw(rewards, group_ids, **kwargs):
-        return rewards.clone()
+    with ADVANTAGE_ESTIMATORS.isolated():
+        @register_advantage_estimator("test_best_of_group")
+        def best_of_group(rewards, group_ids, *, config, token_mask=None):
+            # 1 for each group's best sample(s), else 0: a user estimator needs no trainer edit
+            best = torch.stack([rewards[group_ids == g].max() for g in group_ids])
+            return (rewards == best).to(rewards.dtype)
 
-    assert get_advantage_estimator("test_raw_reward")(REWARDS, IDS).tolist() == REWARDS.tolist()
-    with pytest.raises(ValueError, match="already registered"):
-        register_advantage_estimator("grpo")(raw)
+        out = get_advantage_estimator("test_best_of_group")(R7, IDS7, config=grpo_section())
+        assert out.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage_estimator("grpo")(best_of_group)
+        with pytest.raises(TypeError, match=r"must accept \(rewards, group_ids, \*, config"):
+            register_advantage_estimator("test_old_style", lambda rewards, group_ids: rewards)
+    assert "test_best_of_group" not in registered_advantage_estimators()
