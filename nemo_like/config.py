@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
 from nemo_like.data.datasets import DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
@@ -220,10 +221,14 @@ class MasterConfig(_Strict):
                     check_model_source(name, key=f"policy.{key}")
         for name, options in self.env.items():
             self._check_env_options(name, options)
-        try:  # the loss by name from its registry, as setup builds it
+        try:  # the loss and the advantage estimator by name from their registries, as setup builds them
             check_loss_name(self.loss_fn.name)
         except KeyError as e:
             raise ValueError(f"loss_fn.name: {e.args[0]}") from None
+        try:
+            get_advantage_estimator(self.grpo.advantage_estimator)
+        except KeyError as e:
+            raise ValueError(f"grpo.advantage_estimator: {e.args[0]}") from None
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]

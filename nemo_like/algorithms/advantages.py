@@ -190,17 +190,9 @@ def registered_advantage_estimators() -> list[str]:
 
 @register_advantage_estimator("grpo")
 def grpo_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
-                   token_mask: torch.Tensor | None = None, **legacy: Any) -> torch.Tensor:
+                   token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`compute_grpo_advantages` with ``config.use_leave_one_out_baseline`` (default True) and
-    ``config.std_scale`` (default "group").
-
-    Transition: without ``config``, ``leave_one_out=``/``std_scale=`` keywords are passed through
-    (the trainer's call before it passed ``config``); remove ``**legacy`` once nothing uses it.
-    """
-    if config is None:
-        return compute_grpo_advantages(rewards, group_ids, **legacy)
-    if legacy:
-        raise TypeError(f"grpo estimator: pass either config or {sorted(legacy)}, not both")
+    ``config.std_scale`` (default "group")."""
     return compute_grpo_advantages(rewards, group_ids,
                                    leave_one_out=getattr(config, "use_leave_one_out_baseline", True),
                                    std_scale=getattr(config, "std_scale", "group"))

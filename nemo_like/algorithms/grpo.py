@@ -116,9 +116,7 @@ class GRPOTrainer:
             scorable = torch.isfinite(rewards)
             advantages = torch.zeros_like(rewards)
             if scorable.any():
-                advantages[scorable] = estimator(rewards[scorable], group_ids[scorable],
-                                                 leave_one_out=cfg.grpo.use_leave_one_out_baseline,
-                                                 std_scale=cfg.grpo.std_scale)
+                advantages[scorable] = estimator(rewards[scorable], group_ids[scorable], config=cfg.grpo)
 
             # 4. Training data: one flat row per sample; only assistant tokens carry loss.
             train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)

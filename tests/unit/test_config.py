@@ -104,6 +104,7 @@ def test_apply_overrides_force_adds_nested():
         (["env.math.timeout_s=abc"], "env.math.timeout_s: Input should be a valid number (got 'abc')"),
         (["env.math.step_timeout_s=0"], "env.math.step_timeout_s: Input should be greater than 0"),
         (["loss_fn.name=clipped_pgg"], "loss_fn.name: unknown loss 'clipped_pgg' (did you mean 'clipped_pg'?)"),
+        (["grpo.advantage_estimator=rlo"], "grpo.advantage_estimator: unknown advantage estimator 'rlo' (did you mean 'rloo'?)"),
         (["grpo.dynamic_sampling.max_gen_batche=2"], "did you mean grpo.dynamic_sampling.max_gen_batches?"),
     ],
 )

@@ -198,15 +198,12 @@ def test_non_finite_rewards_are_refused(name):
                                       config=grpo_section())
 
 
-def test_grpo_estimator_config_defaults_and_legacy_keywords():
+def test_grpo_estimator_config_defaults():
     grpo = get_advantage_estimator("grpo")
     # a config without the attributes: leave-one-out with group std, compute_grpo_advantages' defaults
     assert torch.allclose(grpo(R7, IDS7, config=SimpleNamespace()), grpo(R7, IDS7, config=grpo_section()))
-    # the trainer's keyword call from before config (kept while it changes over)
-    legacy = grpo(R7, IDS7, leave_one_out=False, std_scale=None)
-    assert legacy.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]
-    with pytest.raises(TypeError, match="either config or"):
-        grpo(R7, IDS7, config=grpo_section(), std_scale=None)
+    plain = grpo(R7, IDS7, config=SimpleNamespace(use_leave_one_out_baseline=False, std_scale=None))
+    assert plain.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]
 
 
 def test_estimator_registry():
