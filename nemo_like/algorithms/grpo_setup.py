@@ -39,6 +39,33 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_NO_DEFAULT = object()
+
+
+def _schema_default(dotted: str) -> Any:
+    """The schema's default for a flattened key ("grpo.dynamic_sampling.enabled"), as JSON would
+    hold it; ``_NO_DEFAULT`` for a key without one (e.g. under a free-form mapping)."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    model: Any = MasterConfig
+    *path, leaf = dotted.split(".")
+    for k in path:
+        field = model.model_fields.get(k) if model is not None else None
+        sub = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+               if isinstance(a, type) and issubclass(a, BaseModel)] if field is not None else []
+        model = sub[0] if sub else None
+        if model is None:
+            return _NO_DEFAULT
+    field = model.model_fields.get(leaf)
+    if field is None:
+        return _NO_DEFAULT
+    value = field.get_default(call_default_factory=True)
+    if value is PydanticUndefined:
+        return _NO_DEFAULT
+    return json.loads(json.dumps(value.model_dump() if isinstance(value, BaseModel) else value))
+
+
 def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
     """Refuse to resume a checkpoint written by a run with a different recipe (model, data, loss,
     batch sizes...): continuing it silently would train something nobody asked for."""
@@ -46,7 +73,9 @@ def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
     if not saved_path.exists():
         return
     saved, now = _flat(json.loads(saved_path.read_text())), _flat(dump_config(config))
-    differ = sorted(k for k in set(saved) | set(now)
+    # A key the saved run never had (added to the schema since) is the same recipe at its default.
+    added_at_default = {k for k in set(now) - set(saved) if _schema_default(k) == now[k]}
+    differ = sorted(k for k in (set(saved) | set(now)) - added_at_default
                     if saved.get(k) != now.get(k) and not any(k == p or k.startswith(p) for p in _RESUMABLE_CHANGES))
     if differ:
         shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])

@@ -15,7 +15,6 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -23,18 +22,6 @@ __all__ = ["ClippedPGLossConfig", "POLICY_LOSSES", "resolve_pg_loss_config"]
 
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo", "cispo")
-
-# Keys added after the first release, with their defaults. A dump leaves them out while they hold
-# these defaults: checkpoints record the run config and resuming compares the dumps key by key
-# (grpo_setup.check_resume_compatible), so a key a checkpoint never had would refuse every resume of
-# a run that does not use it; and a default config still dumps exactly as before.
-_ADDED_KEY_DEFAULTS: dict[str, Any] = {
-    "name": "clipped_pg",
-    "policy_loss": "ppo_clip",
-    "truncated_importance_sampling_ratio": None,
-    "importance_sampling_mask": None,
-    "loss_length_normalizer": None,
-}
 
 
 class ClippedPGLossConfig(BaseModel):
@@ -104,14 +91,6 @@ class ClippedPGLossConfig(BaseModel):
                         "use_importance_sampling_correction: true"
                     )
         return self
-
-    @model_serializer(mode="wrap")
-    def _omit_added_keys_at_default(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        for key, default in _ADDED_KEY_DEFAULTS.items():
-            if key in data and data[key] == default:
-                del data[key]
-        return data
 
 
 def resolve_pg_loss_config(config: ClippedPGLossConfig | Mapping[str, Any]) -> ClippedPGLossConfig:
