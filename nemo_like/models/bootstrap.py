@@ -79,7 +79,12 @@ def ensure_base_model(cfg: MasterConfig) -> str:
 def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
     from nemo_like.algorithms.sft import sft_train
     from nemo_like.data.datasets import load_dataset_from_config
-    from nemo_like.models.policy.interfaces import DynamicBatchingConfig, SchedulerConfig, SequencePackingConfig
+    from nemo_like.models.policy.interfaces import (
+        DynamicBatchingConfig,
+        LoraConfig,
+        SchedulerConfig,
+        SequencePackingConfig,
+    )
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
@@ -107,6 +112,8 @@ def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
         # The base model is built by the recipe its cache key names: the GRPO run's packing or
         # token budgets (same update, other rounding) must not change it.
         "sequence_packing": SequencePackingConfig(), "dynamic_batching": DynamicBatchingConfig(),
+        # The base model is trained whole from random weights; a GRPO run's LoRA adapts it afterwards.
+        "lora": LoraConfig(),
         "scheduler": SchedulerConfig(warmup_steps=s.warmup_steps, decay=s.lr_decay if s.num_steps > s.warmup_steps else "constant",
                                      total_steps=s.num_steps or None)})
     policy = Policy(cluster, policy_cfg, seed=b.seed, init_reference_model=False, name_prefix="sft")

@@ -1,6 +1,12 @@
-from nemo_like.models.policy.interfaces import OptimizerConfig, PolicyConfig, PolicyInterface, SchedulerConfig
+from nemo_like.models.policy.interfaces import (
+    LoraConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    PolicyInterface,
+    SchedulerConfig,
+)
 
-__all__ = ["OptimizerConfig", "PolicyConfig", "PolicyInterface", "SchedulerConfig", "Policy"]
+__all__ = ["LoraConfig", "OptimizerConfig", "PolicyConfig", "PolicyInterface", "SchedulerConfig", "Policy"]
 
 
 def __getattr__(name):

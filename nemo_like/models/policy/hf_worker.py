@@ -19,6 +19,16 @@ import torch.distributed as dist
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.lora import (
+    apply_lora,
+    base_fingerprint,
+    export_merged_model,
+    hf_model,
+    load_adapter,
+    refuse_adapter_checkpoint,
+    save_adapter,
+    trainable_parameters,
+)
 from nemo_like.models.policy.packing import (
     PackedBatch,
     build_packed,
@@ -130,6 +140,8 @@ class HFPolicyWorker:
             check_packing_supported(model)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
+        if config.lora.enabled:  # adapters go in before sharding: FSDP2 shards them with their layer
+            model = apply_lora(model, config.lora, config.model_name)
         # FSDP2 on one rank shards nothing but still pays for its hooks and DTensor optimizer steps
         # (measured back to back: 8-15% slower per SFT step of the tiny model); it stays on for one
         # rank only where it supplies mixed precision.
@@ -138,17 +150,22 @@ class HFPolicyWorker:
         self.model.train()
 
         # The reference policy is the initial weights; kept as a detached copy and swapped in for
-        # reference logprobs (NeMo RL does the same) rather than a second model instance.
+        # reference logprobs (NeMo RL does the same) rather than a second model instance. With LoRA
+        # the frozen base is the reference: the model with its adapter disabled, no copy.
         self._reshard()
+        self.has_reference = init_reference_model
         # On a GPU the reference copy lives in pinned host memory: it is only needed for the
         # reference log-prob pass, and a second full set of weights in GPU memory would be waste.
         self.reference_params = {n: self._stash(p) for n, p in self.model.named_parameters()} if (
-            init_reference_model) else None
+            init_reference_model and not config.lora.enabled) else None
+        # What a LoRA checkpoint or export checks the base weights against (they never change).
+        self.base_fingerprint = base_fingerprint(self.model) if config.lora.enabled else None
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = self.scheduler = None
         if init_optimizer:
             o = config.optimizer
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+            # Only what trains is optimised: AdamW's moments for frozen base weights would be waste.
+            self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=o.lr, betas=o.betas, eps=o.eps,
                                                weight_decay=o.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.scheduler.lr_factor(s))
 
@@ -161,7 +178,7 @@ class HFPolicyWorker:
         if self.cfg.precision != "float32":
             mp = MixedPrecisionPolicy(param_dtype=_DTYPES[self.cfg.precision], reduce_dtype=torch.float32)
         kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
-        layers = getattr(getattr(model, "model", None), "layers", None)
+        layers = getattr(getattr(hf_model(model), "model", None), "layers", None)
         for layer in layers or []:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
@@ -218,6 +235,14 @@ class HFPolicyWorker:
 
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        # Log-probs of the policy itself, not of one dropout draw (LoRA dropout, models with dropout).
+        self.model.eval()
+        try:
+            return self._logprobs(data)
+        finally:
+            self.model.train()
+
+    def _logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         lp = torch.zeros_like(data["input_ids"], dtype=torch.float32)
         mbs = plan_microbatches(data, self.cfg, self.cfg.logprob_batch_size)
         real = computed = 0
@@ -230,9 +255,9 @@ class HFPolicyWorker:
         return BatchedDataDict(logprobs=lp, padding_efficiency=torch.full((data.size,), real / max(computed, 1)))
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        if self.reference_params is None:
+        if not self.has_reference:
             raise RuntimeError("this policy was created without a reference model (init_reference_model=False)")
-        with self._swap_in(self.reference_params):
+        with self.model.disable_adapter() if self.cfg.lora.enabled else self._swap_in(self.reference_params):
             lp = self.get_logprobs(data)["logprobs"]
         return BatchedDataDict(reference_logprobs=lp)
 
@@ -372,39 +397,70 @@ class HFPolicyWorker:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(self.model, options=opts)
+        out = self._save_weights(path, merged=False)
         optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if (
             save_optimizer and self.optimizer is not None) else None
-        out = Path(path)
         if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            # A plain HF folder: the checkpoint's weights load with from_pretrained(path).
-            self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
-            self.tokenizer.save_pretrained(out)
             if optim_sd is not None:
                 torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, out / "optimizer.pt")
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         torch.save(torch.get_rng_state(), out / f"rng_rank{self.rank}.pt")
 
+    def export_merged(self, path: str) -> None:
+        """A plain HF folder of the policy as it computes: with LoRA, the adapter merged into the base."""
+        self._save_weights(path, merged=True)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    def _save_weights(self, path: str, merged: bool) -> Path:
+        """Tokenizer and weights into ``path`` (every rank calls this, rank 0 writes): a plain HF
+        folder, or with LoRA the adapter as a peft folder (``merged``: merged into a plain HF folder)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        out = Path(path)
+        self._reshard()
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.tokenizer.save_pretrained(out)
+        if self.cfg.lora.enabled:
+            save = export_merged_model if merged else save_adapter
+            save(self.model, self.cfg, out, self.rank, self.base_fingerprint)
+            return out
+        model_sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
+        return out
+
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
-        """Exact or refused: every tensor of the model from the checkpoint and nothing else (an error
-        names the missing and unexpected ones); files read as tensors and plain types only."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        """Exact or refused: every tensor of the model (with LoRA: of the adapter, see lora.py) from the
+        checkpoint and nothing else (an error names the missing and unexpected ones); files read as
+        tensors and plain types only."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         p = Path(path)
+        self._reshard()  # after a forward-only pass the root's parameters are plain tensors, not shards
+        if self.cfg.lora.enabled:
+            load_adapter(self.model, self.cfg, p, self.base_fingerprint)
+        else:
+            self._load_full_weights(p)
+        opts = StateDictOptions(full_state_dict=True, strict=True)
+        if load_optimizer and self.optimizer is not None and (p / "optimizer.pt").exists():
+            st = torch.load(p / "optimizer.pt", weights_only=True, map_location="cpu")
+            set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
+            self.scheduler.load_state_dict(st["scheduler"])
+        rng = p / f"rng_rank{self.rank}.pt"
+        if rng.exists():
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+
+    def _load_full_weights(self, p: Path) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        refuse_adapter_checkpoint(p)
         files = sorted(p.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{p}: no *.safetensors weights in checkpoint")
@@ -419,15 +475,7 @@ class HFPolicyWorker:
             raise RuntimeError(f"{p}: the checkpoint's weights do not match the model: missing {missing[:10]}"
                                f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
                                f"{' ...' if len(unexpected) > 10 else ''}")
-        opts = StateDictOptions(full_state_dict=True, strict=True)
-        set_model_state_dict(self.model, sd, options=opts)
-        if load_optimizer and self.optimizer is not None and (p / "optimizer.pt").exists():
-            st = torch.load(p / "optimizer.pt", weights_only=True, map_location="cpu")
-            set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
-            self.scheduler.load_state_dict(st["scheduler"])
-        rng = p / f"rng_rank{self.rank}.pt"
-        if rng.exists():
-            torch.set_rng_state(torch.load(rng, weights_only=True))
+        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -6,7 +6,7 @@ import abc
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.interfaces import GenerationConfig
@@ -79,6 +79,39 @@ class DynamicBatchingConfig(BaseModel):
     max_tokens_per_microbatch: int = Field(4096, gt=0)
 
 
+# The attention and MLP projections of Llama/Qwen/Mistral-style decoders: the usual LoRA targets.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters (peft) on ``target_modules``: only the adapters train, the base weights stay
+    frozen and, with the adapter disabled, are the reference policy. ``target_modules`` are module
+    names matched as the last parts of a module's path (``q_proj`` matches ``model.layers.0.self_attn.q_proj``),
+    or ``all-linear``: every linear layer but the output head."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names_or_all_linear(cls, value: Any) -> Any:
+        # A single name would otherwise fail with pydantic's union error, which names neither form.
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"policy.lora.target_modules must be a list of module names or 'all-linear', got {value!r}")
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("policy.lora.target_modules is empty: name the modules to adapt, or 'all-linear'")
+            if bad := [v for v in value if not isinstance(v, str) or not v.strip(".")]:
+                raise ValueError(f"policy.lora.target_modules: {bad!r} are not module names")
+            if len(set(value)) != len(value):
+                raise ValueError(f"policy.lora.target_modules lists a module twice: {value!r}")
+        return value
+
+
 class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -102,6 +135,7 @@ class PolicyConfig(BaseModel):
     generation: GenerationConfig = GenerationConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    lora: LoraConfig = LoraConfig()
 
     @property
     def packing_row_length(self) -> int:

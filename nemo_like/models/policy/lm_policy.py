@@ -96,5 +96,11 @@ class Policy(PolicyInterface, GenerationInterface):
         self.worker_group.get_all_worker_results(
             self.worker_group.run_all_workers_single_data("load_checkpoint", str(path)))
 
+    def export_merged(self, path: str) -> None:
+        """Write a plain HF folder (model and tokenizer, loadable by ``from_pretrained``) of the
+        policy as it computes now: with ``policy.lora`` the adapter is merged into the base weights."""
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("export_merged", str(path)))
+
     def shutdown(self) -> None:
         self.worker_group.shutdown()
