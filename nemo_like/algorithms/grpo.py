@@ -110,16 +110,18 @@ class GRPOTrainer:
                 group_ids = torch.arange(len(idx)).repeat_interleave(G)
             rewards = batch["total_reward"]
 
-            # 3. Advantages: group-relative, computed on the driver (cheap, [N]). A sample no reward
-            # function could score (NaN) gets advantage 0 and stays out of its group's baseline.
+            # 3. Training rows (one flat row per sample; only assistant tokens carry loss) and
+            # advantages, computed on the driver (cheap, [N]) by the registered estimator. A sample
+            # no reward function could score (NaN) gets advantage 0 and stays out of every baseline.
+            train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)
             estimator = get_advantage_estimator(cfg.grpo.advantage_estimator)
             scorable = torch.isfinite(rewards)
             advantages = torch.zeros_like(rewards)
             if scorable.any():
-                advantages[scorable] = estimator(rewards[scorable], group_ids[scorable], config=cfg.grpo)
+                advantages[scorable] = estimator(rewards[scorable], group_ids[scorable], config=cfg.grpo,
+                                                 token_mask=train_data["token_mask"][scorable])
 
-            # 4. Training data: one flat row per sample; only assistant tokens carry loss.
-            train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)
+            # 4. Training data: advantages, sample masks, previous and reference log-probs.
             train_data["advantages"] = advantages.float()
             train_data["sample_mask"] = batch["loss_multiplier"].float()
             if cfg.grpo.overlong_filtering:

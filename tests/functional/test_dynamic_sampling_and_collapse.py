@@ -93,3 +93,26 @@ def test_generation_collapse_exits_3_with_one_line(tmp_path, cache):
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert (tmp_path / "ckpt" / "step_2").is_dir()
+
+
+def test_a_registered_estimator_gets_rewards_groups_token_mask_and_config(ray_session, tmp_path, cache):
+    from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
+
+    seen = {}
+    with ADVANTAGE_ESTIMATORS.isolated():
+
+        @register_advantage_estimator("length_aware")
+        def length_aware(rewards, group_ids, *, config, token_mask=None):
+            seen.update(n=len(rewards), groups=group_ids.tolist(), mask=token_mask, config=config)
+            return rewards - rewards.mean()  # one decorated function: no edit to the trainer
+
+        over = _overrides(tmp_path, cache, "grpo.advantage_estimator=length_aware", "grpo.max_num_steps=1")
+        with GRPOExperiment(str(CONFIG), over) as exp:
+            exp.step()
+            batch = exp.trainer.last_batch
+    assert seen["n"] == 16 and seen["groups"] == [g for g in range(4) for _ in range(4)]
+    assert seen["config"].advantage_estimator == "length_aware"
+    # the token mask is the training rows' own: assistant tokens per sample
+    assert seen["mask"].shape[0] == 16 and seen["mask"].sum(dim=1).tolist() == batch["generation_lengths"].tolist()
+    r = batch["total_reward"]
+    assert torch.allclose(batch["advantages"], r - r.mean())
