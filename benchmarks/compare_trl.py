@@ -299,7 +299,9 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(work / stale)
         else:
             (work / stale).unlink(missing_ok=True)
+    # TRL's GRPOTrainer has no dynamic sampling: the side-by-side runs the same algorithm on both sides.
     overrides = [f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "checkpointing.enabled=false",
+                 "grpo.dynamic_sampling.enabled=false",
                  f"checkpointing.checkpoint_dir={work / 'project_ckpt'}", f"logger.log_dir={work / 'project_logs'}",
                  "logger.stdout_enabled=false", "logger.tensorboard_enabled=false", "logger.wandb_enabled=false"]
     if args.val_samples is not None:

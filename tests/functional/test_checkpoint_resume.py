@@ -18,7 +18,8 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "config
 
 def _config(tmp):
     return load_config(CONFIG, [
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=50",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
+        "grpo.max_num_steps=50",
         "grpo.val_period=0", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
         "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
         "data.train.generator.num_samples=100", "data.validation.generator.num_samples=8",

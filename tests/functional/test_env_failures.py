@@ -26,7 +26,8 @@ CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 
 def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
     return [
-        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=3",
+        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
+        "grpo.max_num_steps=3",
         "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=8", "policy.generation_batch_size=8",

@@ -21,7 +21,8 @@ CACHE = {"dir": None}  # one bootstrapped base model for the whole module
 
 def _overrides(tmp, *extra):
     return [
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=50",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
+        "grpo.max_num_steps=50",
         "grpo.val_period=0", "grpo.max_val_samples=8",
         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=16", "policy.generation_batch_size=16",

@@ -17,7 +17,8 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "config
 
 def _config(tmp_path, *extra):
     overrides = [
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=3",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
+        "grpo.max_num_steps=3",
         "grpo.val_period=2", "grpo.max_val_samples=16",
         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=16", "policy.generation_batch_size=16",

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 TINY = [
-    "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_val_samples=8",
+    "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
+        "grpo.max_val_samples=8",
     "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
     "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
     "data.train.generator.num_samples=200", "data.validation.generator.num_samples=8",

@@ -17,7 +17,7 @@ TINY = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 def test_example_configs_validate():
     tiny = load_config(TINY)
     assert tiny.policy.train_global_batch_size == 128
-    assert tiny.grpo.val_period == 10  # from the tiny file
+    assert tiny.grpo.val_period == 25 and tiny.grpo.dynamic_sampling.enabled  # from the tiny file
     assert tiny.loss_fn.ratio_clip_min == 0.2  # inherited from grpo_math_base.yaml
     big = load_config(ROOT / "examples" / "configs" / "grpo_math_1B.yaml")
     assert big.policy.model_name == "Qwen/Qwen2.5-1.5B" and big.policy.precision == "bfloat16"
@@ -26,7 +26,7 @@ def test_example_configs_validate():
 
 def test_auto_schedule_spans_the_run():
     # 32 prompts x 8 = 256 completions, global batch 128: two optimizer steps per GRPO step.
-    assert load_config(TINY).policy.scheduler.total_steps == 60 * 2
+    assert load_config(TINY).policy.scheduler.total_steps == 250 * 2
     longer = load_config(TINY, ["grpo.max_num_steps=100", "policy.train_global_batch_size=64"])
     assert longer.policy.scheduler.decay == "linear" and longer.policy.scheduler.total_steps == 100 * 4
     assert load_config(TINY, ["grpo.max_num_steps=0"]).policy.scheduler.total_steps == 1  # still a valid schedule

@@ -68,7 +68,7 @@ def build(ckpt_dir: str, model_dir: str, log_dir: str):
     from nemo_like.utils.checkpoint import CheckpointManager
     from nemo_like.utils.logger import Logger
 
-    cfg = load_config(str(CONFIG), [f"policy.model_name={model_dir}", "bootstrap.enabled=false",
+    cfg = load_config(str(CONFIG), [f"policy.model_name={model_dir}", "bootstrap.enabled=false", "grpo.dynamic_sampling.enabled=false",
                                     f"checkpointing.checkpoint_dir={ckpt_dir}", "checkpointing.keep_top_k=2",
                                     "checkpointing.metric_name=null", f"logger.log_dir={log_dir}"])
     with socket.socket() as s:  # one process group of one rank, on a port no sibling child uses
