@@ -287,30 +287,41 @@ def load_yaml_with_defaults(path: str | Path, _seen: tuple = ()) -> dict:
     return _deep_merge(merged, data)
 
 
-def _schema_has(model: type[BaseModel] | None, keys: list[str]) -> bool:
-    for k in keys:
-        if model is None or not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return False
-        field = model.model_fields.get(k)
-        if field is None:
-            return False
-        ann = field.annotation
-        sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        model = sub[0] if sub else None
-        if model is None and getattr(ann, "__origin__", None) is dict:
-            return True  # free-form mapping (e.g. env.<name>.<option>)
-    return True
+def _nested_model(field: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (``X``, ``X | None``, ``X | list[X]``), if any."""
+    ann = field.annotation
+    sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return sub[0] if sub else None
 
 
-def _schema_fields(model: type[BaseModel] | None, keys: list[str]) -> list[str]:
-    """Field names the schema has at ``keys`` (for a did-you-mean when the YAML has no such section)."""
+def schema_field(keys: list[str]) -> Any:
+    """The field of the config schema at ``keys`` (``["grpo", "dynamic_sampling", "enabled"]``), or
+    None where the schema has none (a missing key, or a key under a free-form mapping)."""
+    model: type[BaseModel] | None = MasterConfig
+    field = None
     for k in keys:
         field = model.model_fields.get(k) if model is not None else None
         if field is None:
-            return []
-        sub = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
-               if isinstance(a, type) and issubclass(a, BaseModel)]
-        model = sub[0] if sub else None
+            return None
+        model = _nested_model(field)
+    return field
+
+
+def _schema_has(keys: list[str]) -> bool:
+    """``keys`` name a field of the schema, or lie under a free-form mapping (``env.<name>.<option>``)."""
+    for i in range(1, len(keys) + 1):
+        field = schema_field(keys[:i])
+        if field is None:
+            return False
+        if _nested_model(field) is None and getattr(field.annotation, "__origin__", None) is dict:
+            return True
+    return True
+
+
+def _schema_fields(keys: list[str]) -> list[str]:
+    """Field names the schema has at ``keys`` (for a did-you-mean when the YAML has no such section)."""
+    field = schema_field(keys) if keys else None
+    model = MasterConfig if not keys else _nested_model(field) if field is not None else None
     return list(model.model_fields) if model is not None else []
 
 
@@ -336,8 +347,8 @@ def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
                 node[k] = {}
             node = node[k]
         present = parts[-1] in node
-        if not (present or force or _schema_has(MasterConfig, parts)):
-            close = difflib.get_close_matches(parts[-1], list(node) + _schema_fields(MasterConfig, parts[:-1]), n=1)
+        if not (present or force or _schema_has(parts)):
+            close = difflib.get_close_matches(parts[-1], list(node) + _schema_fields(parts[:-1]), n=1)
             hint = f" (did you mean {'.'.join(parts[:-1] + close)}?)" if close else ""
             raise ConfigError(f"override {ov!r}: unknown config key {key!r}{hint}; use ++{key}=... to add it")
         node[parts[-1]] = value

@@ -89,7 +89,7 @@ class GRPOTrainer:
             # 1-2. Prompts, each repeated G times (samples of one prompt share a group id), generated
             # and graded. With dynamic sampling (DAPO) groups whose rewards are all equal are dropped
             # and more prompts drawn, for at most grpo.dynamic_sampling.max_gen_batches rounds.
-            rounds, keep = [], []
+            ds, rounds, keep = cfg.grpo.dynamic_sampling, [], []
             while True:
                 with timer.time("data"):
                     idx = self.sampler.next_indices(cfg.grpo.num_prompts_per_step)
@@ -97,13 +97,13 @@ class GRPOTrainer:
                 with timer.time("generation_and_reward"):
                     batch, rollout_metrics = self._rollout(batch, greedy=False)
                     self.policy.finish_generation()
-                # A task none of whose samples could be graded for too many steps stops the run here.
-                self.env_watch.observe(batch["task_name"], batch["grading_error"])
                 rounds.append((batch, rollout_metrics))
                 keep.append(groups_with_spread(batch["total_reward"], G))
-                ds = cfg.grpo.dynamic_sampling
                 if not ds.enabled or sum(int(k.sum()) for k in keep) >= len(idx) or len(rounds) >= ds.max_gen_batches:
                     break
+            # A task none of whose samples (in any round) could be graded, step after step, stops the run.
+            self.env_watch.observe([t for b, _ in rounds for t in b["task_name"]],
+                                   [e for b, _ in rounds for e in b["grading_error"]])
             if ds.enabled:
                 batch, group_ids, rollout_metrics = merge_rounds(rounds, keep, G, len(idx))
             else:

@@ -8,7 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nemo_like.config import ConfigError, MasterConfig
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from nemo_like.config import ConfigError, MasterConfig, schema_field
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS
 
@@ -45,19 +48,7 @@ _NO_DEFAULT = object()
 def _schema_default(dotted: str) -> Any:
     """The schema's default for a flattened key ("grpo.dynamic_sampling.enabled"), as JSON would
     hold it; ``_NO_DEFAULT`` for a key without one (e.g. under a free-form mapping)."""
-    from pydantic import BaseModel
-    from pydantic_core import PydanticUndefined
-
-    model: Any = MasterConfig
-    *path, leaf = dotted.split(".")
-    for k in path:
-        field = model.model_fields.get(k) if model is not None else None
-        sub = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
-               if isinstance(a, type) and issubclass(a, BaseModel)] if field is not None else []
-        model = sub[0] if sub else None
-        if model is None:
-            return _NO_DEFAULT
-    field = model.model_fields.get(leaf)
+    field = schema_field(dotted.split("."))
     if field is None:
         return _NO_DEFAULT
     value = field.get_default(call_default_factory=True)
