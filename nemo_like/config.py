@@ -51,6 +51,21 @@ class CollapseStopConfig(_Strict):
     zero_std_group_frac: float = Field(0.99, gt=0, le=1)  # advantage collapse: this share of groups flat
 
 
+class AsyncRolloutsConfig(_Strict):
+    """Asynchronous GRPO: rollout workers generate and grade the next steps' groups while the trainer
+    trains (needs policy.generation.colocated: false)."""
+
+    enabled: bool = False
+    # How many optimizer steps older than the trained weights a sample's generating weights may be.
+    # 0 is the synchronous loop's guarantee (generation still overlaps grading and validation).
+    max_staleness: int = Field(1, ge=0)
+    # "wait": a batch is not started until its samples are sure to be within the bound. "drop":
+    # generation never waits; a sample past the bound when its step comes is dropped and counted.
+    on_stale: Literal["wait", "drop"] = "wait"
+    # Finished steps' batches that may wait for the trainer (bounds memory and, with "drop", waste).
+    buffer_size: int = Field(2, ge=1)
+
+
 class GRPOConfig(_Strict):
     num_prompts_per_step: int = Field(16, gt=0)
     num_generations_per_prompt: int = Field(8, gt=1)
@@ -79,7 +94,17 @@ class GRPOConfig(_Strict):
     env_step_timeout_s: float = Field(600.0, gt=0)
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     stop_on_collapse: CollapseStopConfig = CollapseStopConfig()
+    async_rollouts: AsyncRolloutsConfig = AsyncRolloutsConfig()
     seed: int = 42
+
+
+class GenerationClusterConfig(_Strict):
+    """The rollout worker group of ``policy.generation.colocated: false`` (data parallel: each worker
+    holds a whole copy of the model and generates its share of a batch)."""
+
+    num_workers: int = Field(1, gt=0)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
 
 
 class ClusterConfig(_Strict):
@@ -89,6 +114,7 @@ class ClusterConfig(_Strict):
     # Local cluster size when we start Ray ourselves; None lets Ray count the machine's CPUs.
     num_cpus: int | None = None
     address: str | None = None  # else $RAY_ADDRESS, else a new local cluster
+    generation: GenerationClusterConfig = GenerationClusterConfig()
 
 
 class ModelBuildConfig(_Strict):
@@ -229,12 +255,28 @@ class MasterConfig(_Strict):
             get_advantage_estimator(self.grpo.advantage_estimator)
         except KeyError as e:
             raise ValueError(f"grpo.advantage_estimator: {e.args[0]}") from None
+        self._check_async()
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]
             raise ValueError(f"data.train: sampling_weight is set on some datasets but not on those of tasks "
                              f"{missing}; set it on every train dataset or on none")
         return self
+
+    def _check_async(self) -> None:
+        a = self.grpo.async_rollouts
+        if not a.enabled:
+            return
+        if self.policy.generation.colocated:
+            raise ValueError("grpo.async_rollouts.enabled needs a rollout group that generates while the trainer "
+                             "trains: set policy.generation.colocated=false (and cluster.generation.*)")
+        if not self.loss_fn.use_importance_sampling_correction:
+            raise ValueError("grpo.async_rollouts.enabled trains on samples of older weights: set "
+                             "loss_fn.use_importance_sampling_correction=true (the decoupled objective; "
+                             "loss_fn.truncated_importance_sampling_ratio caps its weight)")
+        if self.grpo.dynamic_sampling.enabled:
+            raise ValueError("grpo.async_rollouts.enabled with grpo.dynamic_sampling.enabled is not supported "
+                             "yet: set grpo.dynamic_sampling.enabled=false")
 
     @staticmethod
     def _check_env_options(name: str, options: dict[str, Any]) -> None:

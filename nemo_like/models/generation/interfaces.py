@@ -22,6 +22,12 @@ class GenerationConfig(BaseModel):
     stop_strings: list[str] | None = None
     # Encode each distinct prompt once and share its KV cache with its repeats (GRPO's G samples).
     share_prompt_prefill: bool = True
+    # True: generate inside the training workers (same weights, nothing to send; one device). False: a
+    # separate rollout worker group (cluster.generation) that is sent the weights after every update.
+    colocated: bool = True
+    # A refit to a separate rollout group streams named tensors in chunks of at most this many MiB, so
+    # neither side ever holds a second full copy of the weights in flight.
+    refit_chunk_mb: float = Field(64.0, gt=0)
 
 
 class GenerationInterface(abc.ABC):
