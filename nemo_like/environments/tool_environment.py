@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
@@ -70,6 +70,16 @@ class ToolEnvConfig(EnvConfig):
     # Tool threads alive at once, all tools together (abandoned calls included): bounds the threads a
     # hanging tool leaves behind and the calls a big batch runs in parallel.
     max_concurrent_calls: int = Field(default=8, ge=1, strict=True)
+    # Seconds every call waits before its tool runs, as a web API's round trip would (inside the
+    # call's time limit): a benchmark of rollouts that wait on I/O. 0: no wait.
+    call_latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _latency_within_limit(self) -> ToolEnvConfig:
+        if self.call_latency_s >= self.timeout_s:
+            raise ValueError(f"call_latency_s ({self.call_latency_s:g}) must be below timeout_s ({self.timeout_s:g}): "
+                             "every call would time out")
+        return self
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -154,8 +164,9 @@ class _Call:
     limit is abandoned (and counted in its tool's stuck calls until it returns). ``on_exit`` runs
     when the thread ends, however it ends: it gives the call's slot back."""
 
-    def __init__(self, tool: Tool, arguments: dict, max_chars: int, on_exit: Any) -> None:
+    def __init__(self, tool: Tool, arguments: dict, max_chars: int, on_exit: Any, latency_s: float = 0.0) -> None:
         self.tool, self.arguments, self.max_chars, self.on_exit = tool, arguments, max_chars, on_exit
+        self.latency_s = latency_s
         self.payload: str | None = None
         self.error: str | None = None
         self.done = False
@@ -163,6 +174,8 @@ class _Call:
 
     def _run(self) -> None:
         try:
+            if self.latency_s:
+                time.sleep(self.latency_s)
             result = self.tool.fn(**self.arguments)
             text = compact_json(result)  # serialised here, so a huge result also counts against the limit
             if len(text) > self.max_chars:
@@ -183,7 +196,7 @@ class ToolEnvironment(EnvironmentInterface):
     :mod:`nemo_like.environments.tools`, or import paths ``"pkg.mod.fn"``), ``max_turns`` (4),
     ``timeout_s`` (2.0), ``require_tool_calls`` (False), ``call_match_reward`` (0.0),
     ``max_calls_per_turn`` (4), ``max_response_chars`` (1000), ``max_stuck_calls`` (4),
-    ``max_concurrent_calls`` (8).
+    ``max_concurrent_calls`` (8), ``call_latency_s`` (0.0).
 
     Per sample, from the last assistant message:
 
@@ -287,7 +300,8 @@ class ToolEnvironment(EnvironmentInterface):
                     elif self._live >= cap or self._live_by_tool[t.name] >= per_tool:
                         still.append(k)  # a slot may free when a call of this step ends
                     else:
-                        call = _Call(t, args, self.config["max_response_chars"], self._call_ended)
+                        call = _Call(t, args, self.config["max_response_chars"], self._call_ended,
+                                     self.config["call_latency_s"])
                         try:
                             call.thread.start()
                         except RuntimeError as e:  # cannot start a thread (resource limits)

@@ -658,6 +658,8 @@ def test_metadata_shorter_than_batch(env: ToolEnvironment) -> None:
         ({"max_calls_per_turn": -1}, r"env\.tool\.max_calls_per_turn"),
         ({"max_concurrent_calls": 0}, r"env\.tool\.max_concurrent_calls: Input should be greater than or equal to 1"),
         ({"max_concurrent_calls": "8"}, r"env\.tool\.max_concurrent_calls: Input should be a valid integer"),
+        ({"call_latency_s": -1}, r"env\.tool\.call_latency_s: Input should be greater than or equal to 0"),
+        ({"call_latency_s": 2.0}, r"call_latency_s \(2\) must be below timeout_s \(2\)"),
         ({"tool": ["add"]}, r"env\.tool\.tool: unknown config key \(did you mean env\.tool\.tools\?\)"),
     ],
 )
@@ -673,7 +675,7 @@ def test_typed_config_keeps_the_defaults() -> None:
     assert ToolEnvConfig().model_dump() == {
         "step_timeout_s": None, "tools": None, "max_turns": 4, "timeout_s": 2.0, "require_tool_calls": False,
         "call_match_reward": 0.0, "max_calls_per_turn": 4, "max_response_chars": 1000, "max_stuck_calls": 4,
-        "max_concurrent_calls": 8}
+        "max_concurrent_calls": 8, "call_latency_s": 0.0}
     env = ToolEnvironment({"timeout_s": 3, "step_timeout_s": 30.0})  # an int is a number; a trainer-side key
     assert env.timeout_s == 3.0 and "step_timeout_s" not in env.config
 
@@ -828,3 +830,19 @@ def test_tool_env_as_ray_actor(ray_cluster) -> None:
         assert done.metrics["accuracy"] == 0.5
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def test_call_latency_delays_every_call_and_calls_wait_side_by_side() -> None:
+    """A web API's round trip: every call waits call_latency_s, the calls of one step at once."""
+    env = ToolEnvironment({"tools": ["add"], "timeout_s": 2.0, "call_latency_s": 0.4, "max_concurrent_calls": 16,
+                           "max_stuck_calls": 16})
+    logs = [[user(f"{i}+1=?"), assistant(call("add", a=i, b=1))] for i in range(12)]
+    t0 = time.monotonic()
+    ret = env.step(logs, [{"ground_truth": str(i + 1)} for i in range(12)])
+    took = time.monotonic() - t0
+    assert [o["content"] for o in ret.observations] == [f"<tool_response>{i + 1}</tool_response>" for i in range(12)]
+    assert 0.4 <= took < 1.2, took  # one wait for all twelve, not twelve waits
+    plain = ToolEnvironment({"tools": ["add"], "timeout_s": 2.0})
+    t0 = time.monotonic()
+    plain.step(logs[:1], [{"ground_truth": "1"}])
+    assert time.monotonic() - t0 < 0.3
