@@ -167,8 +167,10 @@ class ClippedPGLossFn:
     """GRPO/PPO loss object: ``clipped_pg_loss`` normalised by the global batch counts.
 
     Reads ``token_mask``, ``sample_mask`` (optional, [B]), ``advantages`` ([B] or [B, T]),
-    ``prev_logprobs``, ``generation_logprobs`` and ``reference_policy_logprobs`` from ``data``.
-    Token level: ``sum(l * mask) / global_valid_toks``; sequence level: ``sum over this
+    ``prev_logprobs``, ``generation_logprobs`` and ``reference_policy_logprobs`` from ``data``;
+    with ``proximal_is_current`` ([B], set when the batch is a single optimizer step) and no
+    ``prev_logprobs``, the previous (and, if absent, reference) log-probs are ``curr_logprobs``
+    detached: the same numbers a separate forward pass before the update would give. Token level: ``sum(l * mask) / global_valid_toks``; sequence level: ``sum over this
     micro-batch's valid sequences of their masked mean / global_valid_seqs`` — equal to the local
     loss times ``mb_count / global_count``; Dr.GRPO (``loss_length_normalizer`` L):
     ``sum(l * mask) / (global_valid_seqs * L)``. Metrics: those of ``clipped_pg_loss`` (local), plus
@@ -194,6 +196,11 @@ class ClippedPGLossFn:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         check_2d("curr_logprobs", curr_logprobs, None)
         mask = _effective_mask(curr_logprobs, data)
+        if "prev_logprobs" not in data and "proximal_is_current" in data:
+            # The batch is one optimizer step: the weights being trained are the proximal policy
+            # (the weights before this update), so their log-probs are curr's, with no extra pass.
+            cur = curr_logprobs.detach()
+            data = {"prev_logprobs": cur, "reference_policy_logprobs": cur, **data}
         adv, prev, gen, ref = _get(
             data,
             ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs"),

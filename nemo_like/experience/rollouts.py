@@ -177,6 +177,8 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     terminated = torch.zeros(n, dtype=torch.bool)
     gen_lengths = torch.zeros(n, dtype=torch.long)
     env_metrics: dict[str, list[float]] = {}
+    # The oldest weights version any turn was generated with (a separate rollout group reports it).
+    versions: list[int | None] = [None] * n
     active = list(range(n))
     eos = tokenizer.eos_token_id
     generation_s = 0.0
@@ -209,6 +211,9 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
             gen_lengths[i] += end - start
             lengths[i] += end - start
             ended_eos.append(len(ids) > 0 and int(ids[-1]) == eos)
+            if "policy_version" in gen:
+                v = int(gen["policy_version"][j])
+                versions[i] = v if versions[i] is None else min(versions[i], v)
             if bool(gen["truncated"][j]):  # hit the per-turn token cap; the environment still decides
                 truncated[i] = True
         _, returns, m, errors = calculate_rewards([message_logs[i] for i in active], [task_names[i] for i in active],
@@ -248,6 +253,8 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     out["truncated"] = truncated
     out["generation_lengths"] = gen_lengths
     out["num_turns"] = turns
+    if n and all(v is not None for v in versions):
+        out["policy_version"] = torch.tensor(versions, dtype=torch.long)
     metrics = {
         "response_length_mean": float(gen_lengths.float().mean()) if n else 0.0,
         "truncation_rate": float(truncated.float().mean()) if n else 0.0,

@@ -409,3 +409,32 @@ def test_loss_registry():
         register_loss("nll")(make_scaled)
     with pytest.raises(ValueError, match="non-empty"):
         register_loss("")
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.05])
+def test_proximal_is_current_takes_prev_logprobs_from_the_training_forward(kl: float) -> None:
+    """Async GRPO with one optimizer step per batch: no separate pass for the proximal policy; the
+    loss and its gradient are those of prev = curr.detach() (and ref too, when no reference is given)."""
+    torch.manual_seed(0)
+    B, T = 4, 6
+    base = torch.randn(B, T) - 1.0
+    gen = base + 0.3 * torch.randn(B, T)  # the behaviour policy: older weights
+    ref = base + 0.1 * torch.randn(B, T)
+    common = {"advantages": torch.tensor([1.0, -0.5, 0.25, -1.0]), "token_mask": torch.ones(B, T),
+              "generation_logprobs": gen}
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=kl, use_importance_sampling_correction=True,
+                              truncated_importance_sampling_ratio=2.0)
+    fn = ClippedPGLossFn(cfg)
+    a = base.clone().requires_grad_(True)
+    explicit = {**common, "prev_logprobs": a.detach(), "reference_policy_logprobs": ref if kl else a.detach()}
+    la, ma = fn(a, explicit, torch.tensor(B), torch.tensor(float(B * T)))
+    la.backward()
+    b = base.clone().requires_grad_(True)
+    marked = {**common, "proximal_is_current": torch.ones(B)} | ({"reference_policy_logprobs": ref} if kl else {})
+    lb, mb = fn(b, marked, torch.tensor(B), torch.tensor(float(B * T)))
+    lb.backward()
+    assert torch.allclose(la, lb) and torch.allclose(a.grad, b.grad)
+    assert ma == mb
+    assert float(b.grad.abs().sum()) > 0
+    with pytest.raises(KeyError, match="prev_logprobs"):  # without the marker a missing key is an error
+        fn(b, common | {"reference_policy_logprobs": ref}, torch.tensor(B), torch.tensor(float(B * T)))
