@@ -13,11 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.hf_generation import hf_generate
+from nemo_like.models.policy import weight_export
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.lora import (
     apply_lora,
@@ -434,6 +436,24 @@ class HFPolicyWorker:
         if self.rank == 0:
             self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
         return out
+
+    # ---- refit to a separate generation engine (weight_export.py) -----------------------------
+    def export_weight_chunks(self, max_bytes: int) -> list[ray.ObjectRef]:
+        """The model as it computes (plain HF names, LoRA merged) in object-store chunks of at most
+        ``max_bytes``; every rank gathers in step, rank 0 puts each chunk as soon as it is full and
+        returns the refs (other ranks: []). The store, not this list, holds the tensors."""
+        self._reshard()  # after a forward pass the root's parameters are not shards
+        emit = ray.put if self.rank == 0 else (lambda chunk: None)
+        refs = weight_export.chunk_named_tensors(weight_export.iter_export_tensors(self.model), max_bytes, emit)
+        return refs if self.rank == 0 else []
+
+    def weights_manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return weight_export.export_manifest(self.model)
+
+    def weights_checksum(self) -> str:
+        """sha256 of the exported view (weight_export.named_checksum); every rank gathers in step."""
+        self._reshard()
+        return weight_export.named_checksum(weight_export.iter_export_tensors(self.model))
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
         """Exact or refused: every tensor of the model (with LoRA: of the adapter, see lora.py) from the

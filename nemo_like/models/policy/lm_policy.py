@@ -1,10 +1,17 @@
-"""`Policy`: the driver-side facade over a RayWorkerGroup of HF training workers."""
+"""`Policy`: the driver-side facade over a RayWorkerGroup of HF training workers.
+
+With ``policy.generation.colocated: true`` (the default) the same workers also generate, on the
+weights they train. With ``colocated: false`` a separate rollout group generates and is sent the
+weights after each update: ``export_weights`` is this side of that refit (see
+``nemo_like.models.generation.rollout_group``, which this package does not import).
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import ray
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
@@ -33,6 +40,7 @@ class Policy(PolicyInterface, GenerationInterface):
             cluster, HFPolicyWorker, config, seed=seed, init_reference_model=init_reference_model,
             init_optimizer=init_optimizer, name_prefix=name_prefix, env_vars=env)
         self.world_size = self.worker_group.world_size
+        self._export_bytes: int | None = None  # the exported view's size never changes: asked once
         if weights_path:
             self.load_checkpoint(weights_path)
 
@@ -101,6 +109,25 @@ class Policy(PolicyInterface, GenerationInterface):
         policy as it computes now: with ``policy.lora`` the adapter is merged into the base weights."""
         self.worker_group.get_all_worker_results(
             self.worker_group.run_all_workers_single_data("export_merged", str(path)))
+
+    def export_weights(self, chunk_bytes: int) -> tuple[list[ray.ObjectRef], int]:
+        """The weights as a plain HF model would hold them (LoRA merged), as object-store chunks of at
+        most ``chunk_bytes`` named full tensors (``list[tuple[str, Tensor]]`` each), and their total
+        bytes. The chunks live while someone holds the refs and the policy's rank 0 (their owner) lives:
+        drop the refs once the refit is done."""
+        if self._export_bytes is None:
+            manifest = self.worker_group.get_all_worker_results(
+                self.worker_group.run_all_workers_single_data("weights_manifest"))[0]
+            self._export_bytes = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in manifest)
+        refs = self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("export_weight_chunks", int(chunk_bytes)))[0]
+        return refs, self._export_bytes
+
+    def weights_checksum(self) -> str:
+        """sha256 over the exported view (``weight_export.named_checksum``): equal on a rollout worker
+        that was refit from this policy and holds the weights in the same dtype."""
+        return self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("weights_checksum"))[0]
 
     def shutdown(self) -> None:
         self.worker_group.shutdown()

@@ -1,0 +1,200 @@
+"""Generation apart from training: a data-parallel group of rollout workers and the weight refit.
+
+With ``policy.generation.colocated: false`` the training workers (``Policy``) only train; a
+``RolloutGroup`` of ``cluster.generation.num_workers`` actors (each a whole copy of the model, on its
+own CPUs/GPU) generates, and after every policy update it is refit:
+
+    metrics = rollouts.update_weights_from(policy, version=step)
+
+Refit protocol (one version at a time):
+
+1. The policy exports its weights as a plain HF model would hold them (``Policy.export_weights``:
+   FSDP2 shards gathered, LoRA merged, HF names) in chunks of at most ``policy.generation.refit_chunk_mb``
+   MiB of named full tensors.
+2. A ``WeightTransport`` moves the chunks into every rollout worker, whose ``update_weights(…, version)``
+   loads them strictly (every parameter once, known names, matching shapes) and records ``version``.
+3. Every sample a worker generates afterwards carries ``policy_version`` = that version, so an
+   asynchronous trainer can tell how stale a rollout is.
+
+The transport is the seam between the two sides, one class each:
+
+* ``ObjectStoreTransport`` ("object_store", implemented): the policy's rank 0 ``ray.put``s each chunk
+  as soon as it is gathered; every rollout worker fetches the same refs one chunk at a time. Works
+  across processes and nodes, on CPUs and GPUs (tensors travel through host memory). The store holds
+  one copy of the weights while a refit is in flight and frees it when the refs are dropped.
+* A GPU transport (NCCL broadcast from the policy's rank 0 into the rollout workers, or CUDA IPC
+  handles when both share a GPU) would subclass ``WeightTransport`` with a ``push`` that starts the
+  sender and receivers together; the worker side needs a matching receive method. Not written here:
+  nothing on this machine could run it.
+
+The engine is the other seam: a vLLM or SGLang engine plugs in as a worker class (one module) with
+``generate(data, greedy) -> BatchedDataDict`` (the ``GenerationInterface`` contract plus
+``policy_version``), ``update_weights(chunk_refs, version) -> dict`` and ``weights_checksum()``,
+passed as ``RolloutGroup(..., worker_cls=...)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import ray
+
+from nemo_like.config import GenerationClusterConfig
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.distributed.worker_group import RayWorkerGroup
+from nemo_like.models.generation.interfaces import GenerationInterface
+from nemo_like.models.generation.rollout_worker import GENERATE_KEYS, RolloutWorker
+from nemo_like.models.policy.interfaces import PolicyConfig
+
+_MIB = 1 << 20
+
+
+class WeightSource(Protocol):
+    """What a refit needs from the training side (``Policy`` is one)."""
+
+    def export_weights(self, chunk_bytes: int) -> tuple[list[ray.ObjectRef], int]: ...
+
+
+class WeightTransport(abc.ABC):
+    """Moves one version of the weights from a ``WeightSource`` into every rollout worker."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def push(self, source: WeightSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> dict[str, float]:
+        """Returns at least ``refit/bytes`` (per receiver) and ``refit/chunks``; raises if any
+        worker did not load the whole model."""
+
+
+class ObjectStoreTransport(WeightTransport):
+    name = "object_store"
+
+    def push(self, source: WeightSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> dict[str, float]:
+        refs, total = source.export_weights(chunk_bytes)
+        n_chunks = len(refs)
+        # The list goes as one argument: Ray resolves only top-level refs, so each worker gets the
+        # refs themselves and fetches the chunks one by one.
+        results = workers.get_all_worker_results(workers.run_all_workers_single_data("update_weights", refs, version))
+        del refs  # the last holder: the chunks leave the object store
+        if bad := [(i, r["bytes"]) for i, r in enumerate(results) if int(r["bytes"]) != total]:
+            raise RuntimeError(f"refit to version {version}: the policy exported {total} bytes but rollout "
+                               f"workers (rank, bytes loaded) {bad} loaded another amount")
+        return {"refit/bytes": float(total), "refit/chunks": float(n_chunks),
+                "refit/load_seconds_max": max(r["seconds"] for r in results)}
+
+
+TRANSPORTS: dict[str, type[WeightTransport]] = {ObjectStoreTransport.name: ObjectStoreTransport}
+
+
+@dataclass
+class RolloutHandle:
+    """A generation in flight (``generate_async``); ``collect`` waits for it. ``ranks[i]`` produced
+    ``refs[i]``, the i-th contiguous piece of the batch."""
+
+    refs: list[ray.ObjectRef]
+    ranks: list[int]
+    size: int
+
+
+class RolloutGroup(GenerationInterface):
+    def __init__(self, policy_config: PolicyConfig, cluster_config: GenerationClusterConfig, *, seed: int = 0,
+                 transport: WeightTransport | None = None, worker_cls: type = RolloutWorker,
+                 name_prefix: str = "rollout"):
+        self.cfg = policy_config
+        self.transport = transport or ObjectStoreTransport()
+        gpus = cluster_config.gpus_per_worker
+        self.cluster = RayVirtualCluster(cluster_config.num_workers, cpus_per_worker=cluster_config.cpus_per_worker,
+                                         gpus_per_worker=gpus, name=name_prefix)
+        env = {"NEMO_LIKE_USE_GPU": "1" if gpus else "0"}
+        if os.environ.get("HF_HUB_OFFLINE"):
+            env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
+        try:
+            self.workers = RayWorkerGroup(self.cluster, worker_cls, policy_config, seed=seed,
+                                          name_prefix=name_prefix, env_vars=env)
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+        self.num_workers = self.workers.world_size
+        self._on_gpu = bool(gpus)
+        self._version = 0
+        self._pad_id: int | None = None
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the last successful refit (0: the weights of ``policy.model_name``)."""
+        return self._version
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate_async(self, data: BatchedDataDict, greedy: bool = False) -> RolloutHandle:
+        """Start generating ``data``, split into contiguous pieces over the workers (as even as
+        possible; a worker with no rows is not called); ``collect`` returns the results in order."""
+        keys = {"input_ids", "input_lengths"}
+        if missing := keys - set(data):
+            raise KeyError(f"RolloutGroup.generate needs keys {sorted(keys)}; missing {sorted(missing)}")
+        sub = BatchedDataDict({k: data[k] for k in GENERATE_KEYS if k in data})
+        n, w = sub.size, self.num_workers
+        refs, ranks, start = [], [], 0
+        for rank, handle in enumerate(self.workers.workers):
+            end = start + n // w + (1 if rank < n % w else 0)
+            if end > start:
+                refs.append(handle.generate.remote(sub.slice(start, end), greedy=greedy))
+                ranks.append(rank)
+            start = end
+        return RolloutHandle(refs, ranks, n)
+
+    def collect(self, handle: RolloutHandle) -> BatchedDataDict:
+        parts = [self._get(ref, rank, "generate") for ref, rank in zip(handle.refs, handle.ranks)]
+        if not parts:
+            raise ValueError("RolloutGroup.generate got an empty batch")
+        # Workers stop at their own longest sample; the narrower ones are padded as one sample would be.
+        out = BatchedDataDict.from_batches(parts, pad_value_dict={"output_ids": self._pad_token_id()})
+        assert out.size == handle.size, (out.size, handle.size)
+        return out
+
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        return self.collect(self.generate_async(data, greedy=greedy))
+
+    def finish_generation(self) -> None:
+        if self._on_gpu:
+            self._all("release_generation_memory")
+
+    # ---- refit --------------------------------------------------------------------------------
+    def update_weights_from(self, policy: WeightSource, version: int) -> dict[str, float]:
+        """Send ``policy``'s current weights to every worker as ``version``: ``timing/weight_sync``
+        (seconds, export and load), ``refit/bytes`` (moved to each worker), ``refit/chunks``."""
+        chunk_bytes = max(1, int(self.cfg.generation.refit_chunk_mb * _MIB))
+        t0 = time.perf_counter()
+        metrics = self.transport.push(policy, self.workers, int(version), chunk_bytes)
+        self._version = int(version)
+        return {"timing/weight_sync": time.perf_counter() - t0, **metrics}
+
+    def weights_checksums(self) -> list[str]:
+        return self._all("weights_checksum")
+
+    def worker_versions(self) -> list[int]:
+        return self._all("policy_version")
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+        self.cluster.shutdown()
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self.workers.get_all_worker_results(self.workers.run_all_workers_single_data(method, *args))
+
+    def _pad_token_id(self) -> int:
+        if self._pad_id is None:
+            self._pad_id = self._all("pad_token_id")[0]
+        return self._pad_id
+
+    def _get(self, ref: ray.ObjectRef, rank: int, method: str) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"{self.workers.name_prefix} rank {rank} failed in {method!r}: "
+                               f"{type(e).__name__}: {e}") from e

@@ -1,0 +1,136 @@
+"""One rollout worker: a plain HF causal LM that only generates, refit with the policy's weights.
+
+``RolloutGroup`` makes one Ray actor of this class per ``cluster.generation`` worker. The model is
+the plain HF model of ``policy.model_name`` (with ``policy.lora`` too: a refit sends merged weights,
+so there is no adapter here), float32 on a CPU and ``policy.precision`` on a GPU, in eval mode.
+
+``update_weights`` is strict: every parameter must arrive (once per chunk stream), under a name the
+model has, in its shape. Chunks are fetched one at a time, so the worker holds at most one chunk
+beside its own weights. A refit that fails part way leaves some parameters new and some old: the
+worker then refuses to generate until a refit succeeds, rather than sample from a mix.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.generation.hf_generation import hf_generate
+from nemo_like.models.policy.hf_worker import pick_device
+from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.weight_export import named_checksum, tensor_bytes
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What generate() passes to the engine; anything else in a batch (rewards, message logs) stays behind.
+GENERATE_KEYS = ("input_ids", "input_lengths", "stop_strings")
+
+
+class RolloutWorker:
+    def __init__(self, config: PolicyConfig, *, seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = config
+        self.rank = int(os.environ.get("RANK", "0"))
+        # The group sets NEMO_LIKE_NUM_THREADS to this worker's CPU share: more threads than that
+        # would oversubscribe the cores shared with the training workers.
+        threads = config.num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
+        torch.set_num_threads(max(1, threads))
+        use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
+        self.device = pick_device(use_cuda)
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        # Sampling differs per worker (different shards would otherwise share one random stream).
+        torch.manual_seed(seed + self.rank)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
+                                                       trust_remote_code=config.trust_remote_code)
+        dtype = _DTYPES[config.precision] if use_cuda else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=dtype,
+                                                          trust_remote_code=config.trust_remote_code)
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        # Every name a parameter answers to (tied weights have two) -> the parameter itself.
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._unique = dict(self.model.named_parameters())
+        self._version = 0  # the weights of policy.model_name, before any refit
+        self._dirty: str | None = None  # why the weights are a mix of two versions, if they are
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """Policy.generate's contract, plus ``policy_version`` [B] (int64): the refit version of the
+        weights that generated each sample."""
+        if self._dirty:
+            raise RuntimeError(f"rollout worker {self.rank}: the last weight update failed part way "
+                               f"({self._dirty}); its weights are a mix of two versions, refit before generating")
+        sub = BatchedDataDict({k: data[k] for k in GENERATE_KEYS if k in data})
+        out = hf_generate(self.model, self.tokenizer, sub, self.cfg.generation, greedy=greedy,
+                          max_total_length=self.cfg.max_total_sequence_length,
+                          micro_batch_size=self.cfg.generation_batch_size, synced=False, device=self.device)
+        out["policy_version"] = torch.full((out.size,), self._version, dtype=torch.int64)
+        return out
+
+    # ---- refit --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, chunk_refs: list[ray.ObjectRef], version: int) -> dict[str, float]:
+        """Load the named tensors of ``chunk_refs`` (each a ``list[tuple[str, Tensor]]`` in the object
+        store), one chunk at a time, and call the result ``version``. Returns bytes loaded and seconds."""
+        t0 = time.perf_counter()
+        loaded: set[int] = set()
+        nbytes = 0
+        try:
+            for i, ref in enumerate(chunk_refs):
+                nbytes += self._load_chunk(i, ray.get(ref), loaded)  # one chunk alive at a time
+            if missing := sorted(n for n, p in self._unique.items() if id(p) not in loaded):
+                raise ValueError(f"{len(missing)} parameter(s) of the rollout model were never sent: {missing[:10]}"
+                                 f"{' ...' if len(missing) > 10 else ''}")
+        except Exception as e:
+            # Untouched weights are still the old version; once one was copied they are a mix.
+            if loaded:
+                self._dirty = f"{type(e).__name__}: {e}"
+            kind = type(e) if type(e) in (TypeError, ValueError) else RuntimeError
+            raise kind(f"rollout worker {self.rank} refit to version {version}: {e}") from e
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._version, self._dirty = int(version), None
+        return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0, "chunks": float(len(chunk_refs))}
+
+    def _load_chunk(self, i: int, chunk: object, loaded: set[int]) -> int:
+        if not isinstance(chunk, list):
+            raise TypeError(f"chunk {i} is a {type(chunk).__name__}, not a list of (name, tensor) pairs")
+        nbytes = 0
+        for item in chunk:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"chunk {i} holds {type(item).__name__} {str(item)[:80]!r}, not a (name, tensor) pair")
+            name, t = item
+            p = self._params.get(name)
+            if p is None:
+                raise ValueError(f"tensor {name!r} (chunk {i}) is not a parameter of the rollout model "
+                                 f"{self.cfg.model_name}; its parameters are e.g. {sorted(self._unique)[:5]}")
+            if p.shape != t.shape:
+                raise ValueError(f"tensor {name!r} (chunk {i}) has shape {tuple(t.shape)}, but the rollout model's "
+                                 f"parameter has shape {tuple(p.shape)}")
+            if id(p) in loaded:
+                raise ValueError(f"tensor {name!r} (chunk {i}) was sent twice (or under two tied names)")
+            p.copy_(t)
+            loaded.add(id(p))
+            nbytes += tensor_bytes(t)
+        return nbytes
+
+    # ---- introspection ------------------------------------------------------------------------
+    def weights_checksum(self) -> str:
+        """The same definition as ``HFPolicyWorker.weights_checksum`` (weight_export.named_checksum)."""
+        return named_checksum(self._unique.items())
+
+    def policy_version(self) -> int:
+        return self._version
+
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def release_generation_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
