@@ -7,8 +7,10 @@ group-relative advantages -> previous/reference log-probs -> clipped policy-grad
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
+from nemo_like.algorithms.grpo_report import accuracy_summary, per_task_metrics, per_task_summary
 from nemo_like.algorithms.grpo_setup import (
     build_task_dataset,
     check_resume_compatible,
@@ -43,8 +47,9 @@ from nemo_like.utils.checkpoint import (
 )
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.perf import throughput_metrics
-from nemo_like.utils.stats import paired_change
 from nemo_like.utils.timer import Timer
+
+__all__ = ["GRPOTrainer", "accuracy_summary", "grpo_train", "per_task_metrics", "per_task_summary", "setup"]
 
 
 @dataclass
@@ -75,10 +80,17 @@ class GRPOTrainer:
 
     collapse_watch: CollapseWatch = field(init=False)
     stop_reason: str | None = None  # why the run stopped early (a collapse), else None
+    # What generates: the policy itself (colocated) or a rollout group that is sent the weights after
+    # every update (policy.generation.colocated: false). None: the policy.
+    generator: Any = None
+    # Async GRPO's producer (grpo.async_rollouts), started at the first step.
+    async_rollouts: AsyncRolloutRunner | None = None
 
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
+        self.generator = self.generator if self.generator is not None else self.policy
+        self._local = threading.local()
 
     # ---- one GRPO step --------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -89,14 +101,21 @@ class GRPOTrainer:
             # 1-2. Prompts, each repeated G times (samples of one prompt share a group id), generated
             # and graded. With dynamic sampling (DAPO) groups whose rewards are all equal are dropped
             # and more prompts drawn, for at most grpo.dynamic_sampling.max_gen_batches rounds.
-            ds, rounds, keep = cfg.grpo.dynamic_sampling, [], []
+            # Async GRPO: the batch was drawn, generated and graded ahead by the rollout workers
+            # while earlier steps trained, from weights at most grpo.async_rollouts.max_staleness old.
+            ds, rounds, keep, async_metrics = cfg.grpo.dynamic_sampling, [], [], {}
             while True:
-                with timer.time("data"):
-                    idx = self.sampler.next_indices(cfg.grpo.num_prompts_per_step)
-                    batch = rl_collate_fn([self.train_dataset[i] for i in idx]).repeat_interleave(G)
-                with timer.time("generation_and_reward"):
-                    batch, rollout_metrics = self._rollout(batch, greedy=False)
-                    self.policy.finish_generation()
+                if self._async_runner() is not None:
+                    with timer.time("wait_for_rollouts"):
+                        taken, async_metrics = self.async_rollouts.next_batch(self.step_count)
+                    batch, rollout_metrics, idx = taken.batch, taken.metrics, range(taken.batch.size // G)
+                else:
+                    with timer.time("data"):
+                        idx = self.sampler.next_indices(cfg.grpo.num_prompts_per_step)
+                        batch = rl_collate_fn([self.train_dataset[i] for i in idx]).repeat_interleave(G)
+                    with timer.time("generation_and_reward"):
+                        batch, rollout_metrics = self._rollout(batch, greedy=False)
+                        self.generator.finish_generation()
                 rounds.append((batch, rollout_metrics))
                 keep.append(groups_with_spread(batch["total_reward"], G))
                 if not ds.enabled or sum(int(k.sum()) for k in keep) >= len(idx) or len(rounds) >= ds.max_gen_batches:
@@ -126,9 +145,19 @@ class GRPOTrainer:
             train_data["sample_mask"] = batch["loss_multiplier"].float()
             if cfg.grpo.overlong_filtering:
                 train_data["sample_mask"] *= (~batch["truncated"]).float()
+            # Steps behind the trained weights of each sample's generating weights (separate rollout group).
+            lag = self.step_count - batch["policy_version"] if "policy_version" in batch else None
             with timer.time("logprobs"):
-                reused = self.reuse_generation_logprobs()
-                if reused:
+                # Samples of older weights need the current ones' log-probs: the proximal policy of the
+                # decoupled objective (their generation log-probs are the behaviour policy's).
+                reused = self.reuse_generation_logprobs() and (lag is None or not bool(lag.any()))
+                # Stale samples in a batch that is one optimizer step: the weights about to be updated
+                # are the proximal ones, and the training forward pass gives their log-probs itself.
+                proximal_in_train = (not reused and lag is not None
+                                     and train_data.size == cfg.policy.train_global_batch_size)
+                if proximal_in_train:
+                    train_data["proximal_is_current"] = torch.ones(train_data.size)
+                elif reused:
                     # The sampler's own log-probs, from the same weights at the same precision: the
                     # forward pass that would recompute them changes nothing but the time.
                     train_data["prev_logprobs"] = train_data["generation_logprobs"]
@@ -140,7 +169,7 @@ class GRPOTrainer:
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
                     train_data["reference_policy_logprobs"] = self.policy.get_reference_policy_logprobs(
                         train_data)["reference_logprobs"]
-                else:  # KL term is off: skip a forward pass
+                elif not proximal_in_train:  # KL term is off: skip a forward pass (the loss takes curr's)
                     train_data["reference_policy_logprobs"] = train_data["prev_logprobs"]
 
             # 5. Policy update.
@@ -148,6 +177,15 @@ class GRPOTrainer:
                 self.policy.prepare_for_training()
                 train_metrics = self.policy.train(train_data, self.loss_fn)
                 self.policy.finish_training()
+
+            # 6. Weight sync: a separate rollout group gets the new weights (version = optimizer steps).
+            refit_metrics = {}
+            if self.generator is not self.policy:
+                with timer.time("weight_sync"):
+                    refit_metrics = self.generator.update_weights_from(self.policy, version=self.step_count + 1)
+                if self.async_rollouts is not None:
+                    self.async_rollouts.weights_updated(self.step_count + 1)
+                    self.async_rollouts.mark_trained(taken)
 
         self.step_count += 1
         batch["advantages"] = advantages
@@ -175,6 +213,11 @@ class GRPOTrainer:
         metrics |= {f"timing/{k}": v for k, v in timings.items()}
         metrics |= throughput_metrics(timings, train_data, batch, train_metrics)
         metrics["train/prev_logprobs_reused"] = float(reused)
+        if lag is not None:
+            metrics["train/policy_version_lag"] = float(lag.float().mean())
+        metrics |= {k: v for k, v in refit_metrics.items() if not k.startswith("timing/")} | async_metrics
+        if async_metrics:  # the trainer's share of the step: what it did not spend waiting for rollouts
+            metrics["async/training_busy_frac"] = 1.0 - timings.get("wait_for_rollouts", 0.0) / max(timings["total"], 1e-9)
 
         if cfg.grpo.val_period and self.step_count % cfg.grpo.val_period == 0:
             metrics |= self.validate()
@@ -199,9 +242,34 @@ class GRPOTrainer:
         cfg = self.config
         names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list} | self.env_names
         limits = step_timeouts(cfg.env, {t: names.get(t, t) for t in self.envs}, cfg.grpo.env_step_timeout_s)
-        return run_multi_turn_rollout(self.policy, batch, self.tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
+        # A fast tokenizer must not be used by two threads at once: each rollout thread has its own.
+        if threading.current_thread() is threading.main_thread():
+            tokenizer = self.tokenizer
+        else:
+            tokenizer = getattr(self._local, "tokenizer", None) or copy.deepcopy(self.tokenizer)
+            self._local.tokenizer = tokenizer
+        return run_multi_turn_rollout(self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
                                       max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
                                       step_timeouts=limits)
+
+    def _async_runner(self) -> AsyncRolloutRunner | None:
+        """The producer of grpo.async_rollouts, made at the first step (after any resume)."""
+        a = self.config.grpo.async_rollouts
+        if not a.enabled or self.async_rollouts is not None:
+            return self.async_rollouts
+        G = self.config.grpo.num_generations_per_prompt
+
+        def draw() -> tuple[BatchedDataDict, dict]:
+            idx = self.sampler.next_indices(self.config.grpo.num_prompts_per_step)
+            batch = rl_collate_fn([self.train_dataset[i] for i in idx]).repeat_interleave(G)
+            return batch, copy.deepcopy(self.sampler.state_dict())
+
+        self.async_rollouts = AsyncRolloutRunner(
+            draw=draw, rollout=lambda b: self._rollout(b, greedy=False), max_staleness=a.max_staleness,
+            on_stale=a.on_stale, buffer_size=a.buffer_size, start_index=self.step_count,
+            weights_version=self.step_count)
+        self._resources.append(self.async_rollouts.close)
+        return self.async_rollouts
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, log: bool = False) -> dict[str, float]:
@@ -244,7 +312,11 @@ class GRPOTrainer:
         tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
         self.policy.save_checkpoint(str(tmp / "policy"))
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
-        save_train_state(tmp, {"step": self.step_count, "sampler": self.sampler.state_dict(),
+        # Async: the sampler as of the last trained batch; batches in flight are drawn again on resume.
+        sampler = self.sampler.state_dict()
+        if self.async_rollouts is not None:
+            sampler = self.async_rollouts.resume_sampler_state(sampler)
+        save_train_state(tmp, {"step": self.step_count, "sampler": sampler,
                                "last_val_metrics": self.last_val_metrics, "first_val_results": self.first_val_results,
                                "last_val_results": self.last_val_results,
                                "collapse_counts": self.collapse_watch.state_dict()})
@@ -316,55 +388,6 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
     return results
 
 
-def per_task_metrics(batch: BatchedDataDict, prefix: str) -> dict[str, float]:
-    """`<prefix>/<task>/reward_mean`, `accuracy`, `turns_per_sample`, `truncation_rate` per task."""
-    out: dict[str, float] = {}
-    tasks = list(batch["task_name"])
-    for task in sorted(set(tasks)):
-        idx = torch.tensor([i for i, t in enumerate(tasks) if t == task])
-        r = batch["total_reward"][idx].nan_to_num(0.0)
-        out |= {f"{prefix}/{task}/reward_mean": float(r.mean()),
-                f"{prefix}/{task}/accuracy": float((r >= 1.0).float().mean()),
-                f"{prefix}/{task}/turns_per_sample": float(batch["num_turns"][idx].float().mean()),
-                f"{prefix}/{task}/truncation_rate": float(batch["truncated"][idx].float().mean()),
-                f"{prefix}/{task}/num_samples": float(len(idx))}
-    return out
-
-
-def accuracy_summary(trainer: GRPOTrainer) -> str:
-    vals = [(h["step"], h["val/accuracy"]) for h in trainer.history if "val/accuracy" in h]
-    if not vals:
-        return "no validation was run"
-    (s0, a0), (s1, a1) = vals[0], vals[-1]
-    paired = _paired(trainer, None)
-    return (f"held-out greedy accuracy: {a0:.1%} at step {s0} -> {a1:.1%} at step {s1} "
-            f"({(a1 - a0) * 100:+.1f} points{'; ' + paired if paired else ''})")
-
-
-def per_task_summary(trainer: GRPOTrainer) -> list[str]:
-    """`<task>: first -> last` held-out accuracy per task (multi-task runs)."""
-    lines = []
-    keys = sorted({k for h in trainer.history for k in h if k.startswith("val/") and k.endswith("/accuracy")
-                   and k.count("/") == 2})
-    for key in keys:
-        vals = [h[key] for h in trainer.history if key in h]
-        task = key.split("/")[1]
-        paired = _paired(trainer, task)
-        lines.append(f"{task}: {vals[0]:.1%} -> {vals[-1]:.1%} ({(vals[-1] - vals[0]) * 100:+.1f} points"
-                     f"{'; ' + paired if paired else ''})")
-    return lines
-
-
-def _paired(trainer: GRPOTrainer, task: str | None) -> str | None:
-    """Problems gained and lost between the first and the latest validation (the same problems),
-    with an exact McNemar p-value: how far a change is from what noise would give."""
-    first, last = trainer.first_val_results, trainer.last_val_results
-    if not first or not last or first is last or first["task_name"] != last["task_name"]:
-        return None
-    pick = [i for i, t in enumerate(first["task_name"]) if task is None or t == task]
-    return paired_change([first["correct"][i] for i in pick], [last["correct"][i] for i in pick])
-
-
 def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     """Start (or join) Ray, build the base model if needed, datasets, environment actors, the policy
     workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir."""
@@ -375,6 +398,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
     from nemo_like.environments.registry import create_env_actor, registered_envs
     from nemo_like.environments.supervision import wait_for_env_actors
+    from nemo_like.models.generation.rollout_group import RolloutGroup
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.pretrained import resolve_model_source
 
@@ -444,6 +468,10 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         policy = Policy(cluster, cfg.policy, seed=cfg.grpo.seed,
                         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
         resources.append(policy.shutdown)
+        generator = policy
+        if not cfg.policy.generation.colocated:  # a rollout group of its own, sent the weights after each update
+            generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed)
+            resources.append(generator.shutdown)
         logger = Logger(cfg.logger)
         resources.append(logger.close)
         logger.log_hyperparams(cfg)
@@ -454,7 +482,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     trainer = GRPOTrainer(config=cfg, policy=policy, tokenizer=tokenizer, train_dataset=train_ds,
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
-                          loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources)
+                          loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources,
+                          generator=generator)
     try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
         latest = ckpt.open_for_run(resume) if ckpt else None
         if latest is not None:
@@ -465,6 +494,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")
         else:  # step 0: an earlier run's rows in this log_dir are set aside, not mixed with this run's
             logger.set_aside_previous_rows()
+        if generator is not policy:  # the rollout workers start from the trainer's weights, resumed or not
+            generator.update_weights_from(policy, version=trainer.step_count)
     except BaseException as e:
         trainer.close()
         if isinstance(e, CheckpointError):

@@ -1,0 +1,154 @@
+"""Synchronous against asynchronous GRPO on one config, in one run: wall time and held-out accuracy.
+
+    uv run benchmarks/bench_async.py                                  # multi-env default, latency 0 and 1 s
+    uv run benchmarks/bench_async.py --latency 1.0 --steps 12         # one scenario, shorter
+    uv run benchmarks/bench_async.py --png async.png --json async.json key=value ...
+
+For each tool-call latency (``env.tool.call_latency_s``: every tool call waits that long, as a web
+API would), the synchronous loop (the config as it is) and the asynchronous one
+(``grpo.async_rollouts`` with a separate rollout worker, ``--staleness``) train the same number of
+steps from the same base model, one after the other, each in a fresh subprocess. Wall time is the
+training loop's (validation included, Ray start and model loading not). The table gives both
+sides' wall time, their ratio and the final per-task held-out accuracies; the PNG plots held-out
+accuracy against wall-clock seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "examples" / "configs" / "grpo_multi_env_tiny.yaml"
+QUIET = ["checkpointing.enabled=false", "logger.jsonl_enabled=false", "logger.tensorboard_enabled=false",
+         "logger.stdout_enabled=false", "logger.wandb_enabled=false"]
+
+
+def async_overrides(staleness: int, cpus: int) -> list[str]:
+    """Async GRPO on this machine: the trainer and one rollout worker share its cores."""
+    train_cpus = max(1, cpus // 2)
+    return ["policy.generation.colocated=false", "grpo.async_rollouts.enabled=true",
+            f"grpo.async_rollouts.max_staleness={staleness}", "loss_fn.use_importance_sampling_correction=true",
+            "loss_fn.truncated_importance_sampling_ratio=2.0", f"cluster.cpus_per_worker={train_cpus}",
+            f"cluster.generation.cpus_per_worker={max(1, cpus - train_cpus)}"]
+
+
+def run_child(config: str, overrides: list[str], out: str) -> None:
+    """One training run: setup, then step() to the end, validating as the config says."""
+    from nemo_like.algorithms.grpo import setup
+    from nemo_like.config import load_config
+
+    cfg = load_config(config, overrides)
+    trainer = setup(cfg, resume=False)
+    points, steps = [], []
+    try:
+        t0 = time.perf_counter()
+        trainer.validate()
+        points.append({"wall_s": 0.0, "step": 0, **trainer.last_val_metrics})
+        t0 = time.perf_counter()  # the base model's validation is the same for both: not timed
+        for _ in range(cfg.grpo.max_num_steps):
+            m = trainer.step()
+            steps.append({k: v for k, v in m.items() if k.startswith(("timing/", "train/staleness", "async/",
+                                                                      "train/policy_version_lag", "train/reward_mean"))})
+            if any(k.startswith("val/") for k in m):
+                points.append({"wall_s": time.perf_counter() - t0, "step": trainer.step_count,
+                               **{k: v for k, v in m.items() if k.startswith("val/")}})
+        if not (cfg.grpo.val_period and trainer.step_count % cfg.grpo.val_period == 0):
+            trainer.validate()
+            points.append({"wall_s": time.perf_counter() - t0, "step": trainer.step_count, **trainer.last_val_metrics})
+        wall = time.perf_counter() - t0
+    finally:
+        trainer.close()
+    Path(out).write_text(json.dumps({"wall_s": wall, "points": points, "steps": steps}))
+
+
+def _accs(point: dict) -> dict[str, float]:
+    return {k.split("/")[1]: v for k, v in point.items() if k.startswith("val/") and k.endswith("/accuracy")
+            and k.count("/") == 2} or {"all": point.get("val/accuracy", float("nan"))}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--latency", type=float, action="append", help="tool call latency(ies), s (default: 0 and 1)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
+    ap.add_argument("--staleness", type=int, default=1)
+    ap.add_argument("--png", default="bench_async.png")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args, overrides = ap.parse_known_args(argv)
+    if args._child:
+        spec, out = args._child
+        run_child(args.config, json.loads(spec), out)
+        return 0
+    cpus = os.cpu_count() or 2
+    latencies = args.latency or [0.0, 1.0]
+    base = QUIET + ([f"grpo.max_num_steps={args.steps}"] if args.steps else []) + overrides
+    results: dict[tuple[float, str], dict] = {}
+    for lat in latencies:
+        # Tool calls that wait on I/O must not queue for a thread: a slot per call of a whole batch.
+        lat_o = [f"env.tool.call_latency_s={lat}", "env.tool.max_concurrent_calls=256", "env.tool.max_stuck_calls=256",
+                 f"env.tool.timeout_s={max(2.0, 2 * lat + 1)}"] if lat else []
+        for mode, extra in (("sync", []), ("async", async_overrides(args.staleness, cpus))):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "r.json"
+                cmd = [sys.executable, __file__, "--config", args.config, "--_child",
+                       json.dumps(base + lat_o + extra), str(out)]
+                print(f"[bench_async] latency {lat:g} s, {mode}: running", flush=True)
+                subprocess.run(cmd, check=True, cwd=ROOT)
+                results[(lat, mode)] = json.loads(out.read_text())
+
+    print(f"\ncommand: uv run benchmarks/bench_async.py {' '.join(argv)}")
+    print(f"config: {args.config} ({os.cpu_count()} CPUs); async: max_staleness={args.staleness}, "
+          f"one rollout worker, {' '.join(async_overrides(args.staleness, cpus)[4:])}\n")
+    print("| tool latency | mode | wall s | s/step | async/sync | final held-out accuracy per task | staleness max |")
+    print("|---|---|---|---|---|---|---|")
+    for lat in latencies:
+        sync_wall = results[(lat, "sync")]["wall_s"]
+        for mode in ("sync", "async"):
+            r = results[(lat, mode)]
+            n = max(1, len(r["steps"]))
+            accs = ", ".join(f"{t} {a:.1%}" for t, a in _accs(r["points"][-1]).items())
+            stale = max((s.get("train/staleness_max", 0.0) for s in r["steps"]), default=0.0)
+            ratio = f"{r['wall_s'] / sync_wall:.2f}" if mode == "async" else ""
+            print(f"| {lat:g} s | {mode} | {r['wall_s']:.1f} | {r['wall_s'] / n:.2f} | {ratio} | {accs} | "
+                  f"{stale:g} |")
+    _plot(results, latencies, args.png)
+    print(f"\naccuracy against wall-clock seconds: {args.png}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{k[0]}/{k[1]}": v for k, v in results.items()}, indent=1))
+    return 0
+
+
+def _plot(results: dict, latencies: list[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(latencies), figsize=(5.5 * len(latencies), 3.6), squeeze=False)
+    for ax, lat in zip(axes[0], latencies):
+        for mode, style in (("sync", "-"), ("async", "--")):
+            pts = results[(lat, mode)]["points"]
+            for task in _accs(pts[0]):
+                xs = [p["wall_s"] for p in pts]
+                ys = [_accs(p).get(task, float("nan")) for p in pts]
+                ax.plot(xs, ys, style, marker="o", label=f"{mode} {task}")
+        ax.set_title(f"tool latency {lat:g} s")
+        ax.set_xlabel("wall-clock seconds (training loop)")
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main(sys.argv[1:]))
