@@ -134,12 +134,12 @@ def _plot(results: dict, latencies: list[float], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(latencies), figsize=(5.5 * len(latencies), 3.6), squeeze=False)
     for ax, lat in zip(axes[0], latencies):
-        for mode, style in (("sync", "-"), ("async", "--")):
+        for mode, style in (("sync", "-"), ("async", "--")):  # a colour per task, a line style per mode
             pts = results[(lat, mode)]["points"]
-            for task in _accs(pts[0]):
+            for k, task in enumerate(_accs(pts[0])):
                 xs = [p["wall_s"] for p in pts]
                 ys = [_accs(p).get(task, float("nan")) for p in pts]
-                ax.plot(xs, ys, style, marker="o", label=f"{mode} {task}")
+                ax.plot(xs, ys, style, color=f"C{k}", marker="o" if mode == "sync" else "s", label=f"{mode} {task}")
         ax.set_title(f"tool latency {lat:g} s")
         ax.set_xlabel("wall-clock seconds (training loop)")
         ax.set_ylabel("held-out greedy accuracy")

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.generation.engine import continuous_generate, token_budgets, unsupported_reason
 from nemo_like.models.generation.interfaces import GenerationConfig
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def right_to_left_padded(input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int):
@@ -34,17 +40,22 @@ def hf_generate(
     synced: bool,
     device: torch.device,
 ) -> BatchedDataDict:
+    # synced (FSDP over several ranks): every forward runs collectives, so all ranks must run the same
+    # number of forwards; the continuous engine's step count depends on each rank's own samples, and
+    # `generate` already keeps ranks in lock step (synced_gpus), so it is used there.
+    if cfg.engine == "continuous" and not synced:
+        reason = unsupported_reason(model)
+        if reason is None:
+            return continuous_generate(model, tokenizer, data, cfg, greedy=greedy,
+                                       max_total_length=max_total_length,
+                                       slots=cfg.max_num_seqs or micro_batch_size, device=device)
+        if reason not in _warned:
+            _warned.add(reason)
+            logger.warning("policy.generation.engine=continuous: %s; using HF generate", reason)
     input_ids, lengths = data["input_ids"], data["input_lengths"]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
-    # Each sample gets its own budget: a batch's longest prompt (in multi-turn rollouts, often one
-    # sample's long tool response) must not cut every other sample's answer short.
-    budgets = (max_total_length - lengths).clamp(max=cfg.max_new_tokens)
-    if lengths.numel() and int(budgets.min()) <= 0:
-        raise ValueError(
-            f"prompt of {int(lengths.max())} tokens leaves no room to generate within "
-            f"policy.max_total_sequence_length={max_total_length}"
-        )
+    budgets = token_budgets(lengths, cfg, max_total_length)
     # Positions past the model's table would crash models with learned absolute positions; rotary
     # ones compute positions on the fly (tokens past a sample's budget are dropped anyway).
     cfg_m = getattr(model, "config", None)

@@ -22,6 +22,18 @@ class GenerationConfig(BaseModel):
     stop_strings: list[str] | None = None
     # Encode each distinct prompt once and share its KV cache with its repeats (GRPO's G samples).
     share_prompt_prefill: bool = True
+    # "continuous": our own scheduler over the model's forward with a preallocated KV cache
+    # (models/generation/engine.py): a sample that ends frees its row for the next waiting prompt,
+    # finished rows are never computed again, and no step copies the whole cache. Its outputs are those
+    # of "generate" (greedy ids equal, log-probs to float tolerance: tests/unit/models/test_engine.py),
+    # and it measured faster on every workload of benchmarks/bench_generation.py (tiny model 1.36x with
+    # full-length samples, 1.78x with ragged budgets; SmolLM2-135M shape 1.11x / 1.24x). "generate":
+    # HF `generate` per micro-batch, each running until its longest sample ends. FSDP across ranks
+    # (collectives in every forward) and models whose cache rows cannot be moved freely (sliding-window,
+    # recurrent layers) always use "generate".
+    engine: Literal["generate", "continuous"] = "continuous"
+    # Rows decoded together by the continuous engine; None: policy.generation_batch_size.
+    max_num_seqs: int | None = Field(None, gt=0)
     # True: generate inside the training workers (same weights, nothing to send; one device). False: a
     # separate rollout worker group (cluster.generation) that is sent the weights after every update.
     colocated: bool = True
