@@ -30,15 +30,16 @@ def _grpo_prompts(tok, G: int) -> BatchedDataDict:
     return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(e) for e in enc])).repeat_interleave(G)
 
 
+@pytest.mark.parametrize("engine", ["generate", "continuous"])
 @pytest.mark.parametrize("greedy", [False, True])
-def test_shared_prompt_prefill_gives_the_plain_results(tiny, greedy):
+def test_shared_prompt_prefill_gives_the_plain_results(tiny, greedy, engine):
     tok, model = tiny
     data = _grpo_prompts(tok, G=4)
     assert len(set(data["input_lengths"].tolist())) > 1
     outs = []
     for share in (False, True):
         torch.manual_seed(0)
-        cfg = GenerationConfig(max_new_tokens=12, share_prompt_prefill=share)
+        cfg = GenerationConfig(max_new_tokens=12, share_prompt_prefill=share, engine=engine)
         outs.append(hf_generate(model, tok, data, cfg, greedy=greedy, max_total_length=80, micro_batch_size=10,
                                 synced=False, device=torch.device("cpu")))
     plain, shared = outs

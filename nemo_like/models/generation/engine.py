@@ -1,0 +1,423 @@
+"""Continuous batching over a HF causal LM's forward with a KV cache (`policy.generation.engine`).
+
+HF `generate` runs a micro-batch until its longest sample ends: finished rows keep being computed, and
+every step pays for logits processors, stopping criteria and stop-string checks in Python. Here a
+fixed number of slots decode together; a sample that ends (EOS, stop string, its own token budget)
+leaves the batch at once and the next waiting prompts are prefilled and merged in.
+
+The cache (`_Slots`) is preallocated: per layer [slots, heads, columns, dim], behind a `DynamicCache`
+whose layers write in place (`DynamicLayer` concatenates, copying the whole cache every step). All rows
+write the same column each step; a `valid` mask says which columns hold each row's real tokens, and
+positions are explicit (real tokens so far), so where a row's tokens sit never shifts its positions. A
+finished row is replaced by the last live row (a copy of one row); new prompts are prefilled on their
+own (each distinct prompt once, its cache rows copied to its repeats: GRPO repeats every prompt G
+times) and written into free rows, ending at the current column. When the columns run out, each row's
+tokens are packed to the front.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.generation.interfaces import GenerationConfig
+
+# New prompts are admitted once this fraction of the slots is free (or the queue fits): each admission
+# costs one prefill forward and one copy of the whole cache, so admitting one prompt per freed slot
+# would cost more than the idle slots it fills.
+REFILL_FRACTION = 0.25
+
+
+def token_budgets(lengths: torch.Tensor, cfg: GenerationConfig, max_total_length: int) -> torch.Tensor:
+    """Each sample's own limit, min(max_new_tokens, max_total_length - its prompt length).
+
+    A batch's longest prompt (in multi-turn rollouts, often one sample's long tool response) must not
+    cut every other sample's answer short."""
+    budgets = (max_total_length - lengths).clamp(max=cfg.max_new_tokens)
+    if lengths.numel() and int(budgets.min()) <= 0:
+        raise ValueError(
+            f"prompt of {int(lengths.max())} tokens leaves no room to generate within "
+            f"policy.max_total_sequence_length={max_total_length}"
+        )
+    return budgets
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the engine cannot drive this model (the caller then uses HF `generate`), or None."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return "not a decoder-only transformers model"
+    try:
+        params = inspect.signature(_base(model).forward).parameters
+    except (TypeError, ValueError):
+        return "its forward has no inspectable signature"
+    if not {"position_ids", "past_key_values", "attention_mask"} <= set(params):
+        return "its forward takes no position_ids/past_key_values/attention_mask"
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as e:  # noqa: BLE001 - any failure here only means "not supported"
+        return f"no DynamicCache for its config ({e})"
+    # Sliding-window and recurrent layers keep their own state; rows of those cannot be padded/merged.
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        return "its cache has sliding-window or recurrent layers"
+    return None
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stop_candidates(tokenizer, stops: set[str], vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool: tokens that can complete a stop string.
+
+    The text of a prefix grows by the new token's text, so a stop string that first appears when token
+    t is added overlaps t's text at its end, and t's text holds the stop string's last character. Only
+    rows whose new token passes this lookup are decoded (a short tail window). Tokens whose lone text is
+    not their text in context (partial UTF-8 bytes, empty texts) always pass, and so does every token
+    when a stop string ends in whitespace (decoders may strip a lone token's leading space)."""
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+        _TOKEN_TEXTS[tokenizer] = texts
+    last = {s[-1] for s in stops if s}
+    table = torch.ones(max(vocab, len(texts)), dtype=torch.bool)
+    if not any(c.isspace() for c in last):
+        table[: len(texts)] = torch.tensor(
+            [t == "" or "\ufffd" in t or any(c in t for c in last) for t in texts], dtype=torch.bool
+        )
+    return table.to(device)
+
+
+def _sample(logits: torch.Tensor, greedy: bool, cfg: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their log-probs under the temperature-scaled distribution (what the training side
+    recomputes; top-p/top-k truncation is not renormalised in), as `hf_generate` defines them."""
+    logits = logits.float()
+    if greedy:
+        tok = logits.argmax(-1)
+        return tok, logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
+    scores = logits / cfg.temperature
+    logp = scores.log_softmax(-1)
+    # The same warpers, in the same order, as HF's sampling: top-k, then top-p (keeping at least one).
+    if cfg.top_k:
+        kth = torch.topk(scores, min(cfg.top_k, scores.shape[-1]))[0][:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - cfg.top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    tok = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+class _SlotLayer:
+    """One layer's cache over preallocated [slots, heads, columns, dim] buffers.
+
+    Every row writes the same column each step, so appending a token is one slice write;
+    `DynamicLayer`'s torch.cat copies the whole cache every step, which measured as the largest cost of
+    a decode step on the tiny model (with dropping finished rows by copying the rest)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys_buf, self.values_buf = keys, values
+        self.n = 0  # rows in use: 0..n-1
+        self.length = 0  # columns in use
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.keys_buf[: self.n, :, self.length : end] = key_states
+        self.values_buf[: self.n, :, self.length : end] = value_states
+        self.length = end
+        return self.keys_buf[: self.n, :, :end], self.values_buf[: self.n, :, :end]
+
+
+def _slot_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class SlotLayer(_SlotLayer, DynamicLayer):
+        """`DynamicLayer`'s interface (what the model and the mask code call) over `_SlotLayer`'s buffers."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+            DynamicLayer.__init__(self)
+            _SlotLayer.__init__(self, keys, values)
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+        update = _SlotLayer.update
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+    return SlotLayer
+
+
+class _Slots:
+    """The rows decoding together. Row r's real tokens sit in the columns where `valid[r]` is set (any
+    columns: attention does not depend on the keys' order once the mask and positions are right), so new
+    prompts are written into free rows ending at the current column, and a finished row is replaced by
+    the last live row (a copy of a few rows, not of the whole cache)."""
+
+    def __init__(self, model, rows: int, columns: int, prefill_cache, device: torch.device):
+        from transformers import DynamicCache
+
+        layer_cls = _slot_layer_class()
+        self.cache = DynamicCache(config=model.config)
+        self.cache.layers = [layer_cls(_buffer(pl.keys, rows, columns), _buffer(pl.values, rows, columns))
+                             for pl in prefill_cache.layers]
+        self.columns = columns
+        self.valid = torch.zeros((rows, columns), dtype=torch.bool, device=device)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=device)  # real tokens so far
+        self.req = torch.zeros(rows, dtype=torch.long, device=device)  # request of each row
+        self.last = torch.zeros(rows, dtype=torch.long, device=device)  # sampled, not yet in the cache
+        self.n, self.length = 0, 0
+
+    def sync_layers(self) -> None:
+        for layer in self.cache.layers:
+            layer.n, layer.length = self.n, self.length
+
+    def admit(self, req, last, pos, mask: torch.Tensor, keys: list, values: list) -> None:
+        """Rows n.. get these prompts' caches ([k, heads, width, dim] each, mask [k, width]) in the
+        `width` columns that end at the current column."""
+        k, width = mask.shape
+        self.length = max(self.length, width)  # the other rows' extra columns stay invalid
+        rows, cols = slice(self.n, self.n + k), slice(self.length - width, self.length)
+        for layer, ks, vs in zip(self.cache.layers, keys, values):
+            layer.keys_buf[rows, :, cols] = ks
+            layer.values_buf[rows, :, cols] = vs
+        self.valid[rows] = False
+        self.valid[rows, cols] = mask
+        self.req[rows], self.last[rows], self.pos[rows] = req, last, pos
+        self.n += k
+
+    def drop(self, done: torch.Tensor) -> None:
+        """Remove the rows where `done` [n] is set, moving the last live rows into their places."""
+        keep = self.n - int(done.sum())
+        holes = done[:keep].nonzero().squeeze(1)
+        if len(holes):
+            tails = (~done[keep:]).nonzero().squeeze(1) + keep
+            L = self.length
+            for layer in self.cache.layers:
+                layer.keys_buf[holes, :, :L] = layer.keys_buf[tails, :, :L]
+                layer.values_buf[holes, :, :L] = layer.values_buf[tails, :, :L]
+            for t in (self.valid, self.pos, self.req, self.last):
+                t[holes] = t[tails]
+        self.n = keep
+        if not keep:
+            self.length = 0
+
+    def compact(self) -> None:
+        """Pack each row's real tokens into the first columns (when the columns run out: the buffer
+        holds a whole sample and more, so this is rare)."""
+        n, L = self.n, self.length
+        if not n:
+            self.length = 0
+            return
+        valid = self.valid[:n, :L]
+        count = valid.sum(1)
+        width = int(count.max())
+        # Each row's valid columns in order, right-aligned in `width` (stable sort: invalid ones first).
+        idx = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, L - width :]
+        for layer in self.cache.layers:
+            for buf in (layer.keys_buf, layer.values_buf):
+                h, d = buf.shape[1], buf.shape[3]
+                buf[:n, :, :width] = buf[:n, :, :L].gather(2, idx[:, None, :, None].expand(n, h, width, d))
+        self.valid[:n] = False
+        self.valid[:n, :width] = torch.arange(width, device=valid.device)[None] >= (width - count)[:, None]
+        self.length = width
+
+
+def _buffer(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    return like.new_zeros((rows, like.shape[1], columns, like.shape[3]))
+
+
+class ContinuousBatcher:
+    """One `generate` call's requests, decoded over `slots` rows of a shared cache."""
+
+    def __init__(self, model, tokenizer, data: BatchedDataDict, cfg: GenerationConfig, *, greedy: bool,
+                 max_total_length: int, slots: int, device: torch.device):
+        from transformers import DynamicCache
+
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self.model, self.cfg, self.greedy, self.device = model, cfg, greedy, device
+        self.input_ids = data["input_ids"]
+        self.input_dev = self.input_ids.to(device)
+        self.lengths = data["input_lengths"].long()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
+        self.tokenizer = tokenizer
+        budgets = token_budgets(self.lengths, cfg, max_total_length)
+        mc = model.config
+        rotary = hasattr(mc, "rope_parameters") or hasattr(mc, "rope_theta")
+        pos_limit = None if rotary else getattr(mc, "max_position_embeddings", None)
+        if pos_limit is not None:  # learned absolute positions: a row may not run past the table
+            budgets = torch.minimum(budgets, (pos_limit - self.lengths).clamp(min=1))
+        self.budgets = budgets.to(device)
+        B = self.input_ids.shape[0]
+        self.slots = max(1, min(slots, B))
+        self.max_budget = int(budgets.max()) if B else 0
+        # Room for the longest sample, and a quarter of a budget more: refills push the columns on, and
+        # packing them (one copy of the cache) every budget/4 steps costs little next to the steps.
+        longest = int(self.lengths.max()) + self.max_budget if B else 1
+        self.columns = longest + max(self.max_budget // 4, 16)
+        self.arange = torch.arange(max(self.columns, B) + 1, device=device)
+        # Per request: generated tokens and log-probs, written at (request, step) as rows advance.
+        self.tokens = torch.full((B, self.max_budget), self.pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((B, self.max_budget), dtype=torch.float32, device=device)
+        self.gen_len = torch.zeros(B, dtype=torch.long, device=device)
+        self.ended = torch.zeros(B, dtype=torch.bool, device=device)  # EOS or a stop string
+        self._init_stops(data, tokenizer, device)
+        fwd = inspect.signature(_base(model).forward).parameters
+        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in fwd else {}
+        self.slots_state: _Slots | None = None
+
+    def _init_stops(self, data: BatchedDataDict, tokenizer, device: torch.device) -> None:
+        B = self.input_ids.shape[0]
+        per = list(data["stop_strings"]) if "stop_strings" in data else [None] * B
+        common = set(self.cfg.stop_strings or [])
+        self.stops: list[tuple[str, ...]] = [tuple(sorted(set(s or []) | common)) for s in per]
+        self.has_stop = torch.tensor([bool(s) for s in self.stops], dtype=torch.bool, device=device)
+        all_stops = {s for ss in self.stops for s in ss}
+        self.candidates = None
+        self.window = 0
+        if all_stops:
+            vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+            self.candidates = _stop_candidates(tokenizer, all_stops, vocab, device)
+            # A stop string of c characters spans at most 4c tokens (a byte-level token can hold a
+            # quarter of a UTF-8 character); one more for a token that ends past it.
+            self.window = 4 * max(len(s) for s in all_stops) + 1
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> BatchedDataDict:
+        B = self.input_ids.shape[0]
+        queue = 0
+        while True:
+            n = self.slots_state.n if self.slots_state is not None else 0
+            free = self.slots - n
+            if queue < B and free >= min(B - queue, max(1, int(self.slots * REFILL_FRACTION))):
+                take = min(free, B - queue)
+                self._prefill(self.arange[queue : queue + take])
+                queue += take
+                continue  # the prefill may have ended rows (budget 1, EOS first)
+            if not n:
+                break
+            self._decode(self.slots_state)
+        return self._outputs()
+
+    def _record(self, req: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """Store each row's new token; which rows ended with it."""
+        step = self.gen_len[req]
+        self.tokens[req, step] = tok
+        self.logprobs[req, step] = lp
+        step = step + 1
+        self.gen_len[req] = step
+        ended = tok == self.eos_id
+        if self.candidates is not None:
+            ended |= self._stopped(req, tok, step)
+        self.ended[req] = ended
+        return ended | (step >= self.budgets[req])
+
+    def _stopped(self, req: torch.Tensor, tok: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Rows whose generated text now holds one of their stop strings (only candidate rows are
+        decoded, and only their last `window` tokens)."""
+        out = torch.zeros_like(tok, dtype=torch.bool)
+        check = (self.candidates[tok] & self.has_stop[req]).nonzero().squeeze(1).tolist()
+        for r in check:
+            i, n = int(req[r]), int(step[r])
+            text = self.tokenizer.decode(self.tokens[i, max(0, n - self.window) : n].tolist(),
+                                         skip_special_tokens=False)
+            out[r] = any(s in text for s in self.stops[i])
+        return out
+
+    def _forward(self, cache, ids: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, **self.keep_last)
+        return out.logits[:, -1]
+
+    def _prefill(self, req: torch.Tensor) -> None:
+        """Encode the requests' prompts (each distinct one once), sample their first tokens, and admit
+        the rows that go on into the slots."""
+        lens = self.lengths[req.cpu()].to(self.device)
+        width = int(lens.max())
+        # Left padded: row r holds its prompt in its last lens[r] columns.
+        pad = width - lens
+        col = self.arange[:width][None] - pad[:, None]
+        src = self.input_dev[req]
+        ids = torch.where(col >= 0, src.gather(1, col.clamp(min=0)), self.pad_id)
+        if self.cfg.share_prompt_prefill:
+            uniq, inv = torch.unique(torch.cat([ids, pad[:, None]], 1), dim=0, return_inverse=True)
+            u_ids, u_pad = uniq[:, :-1], uniq[:, -1]
+        else:
+            u_ids, u_pad, inv = ids, pad, torch.arange(len(req), device=self.device)
+        u_mask = self.arange[:width][None] >= u_pad[:, None]
+        pos = (self.arange[:width][None] - u_pad[:, None]).clamp(min=0)
+        cache = self._new_cache()
+        logits = self._forward(cache, u_ids, pos, u_mask.long() if int(u_pad.max()) else None)
+        tok, lp = _sample(logits[inv], self.greedy, self.cfg)
+        go_on = ~self._record(req, tok, lp)
+        if not bool(go_on.any()):
+            return
+        if self.slots_state is None:
+            self.slots_state = _Slots(self.model, self.slots, self.columns, cache, self.device)
+        # Row r's cache is its distinct prompt's (unique sorts): GRPO's repeats copy rows, not work.
+        rows = inv[go_on]
+        self.slots_state.admit(req[go_on], tok[go_on], lens[go_on], u_mask[rows],
+                               [layer.keys[rows] for layer in cache.layers],
+                               [layer.values[rows] for layer in cache.layers])
+
+    def _decode(self, s: _Slots) -> None:
+        if s.length >= s.columns:
+            s.compact()
+        n, L = s.n, s.length
+        s.valid[:n, L] = True
+        s.sync_layers()
+        logits = self._forward(s.cache, s.last[:n, None], s.pos[:n, None], s.valid[:n, : L + 1])
+        s.length = L + 1
+        s.pos[:n] += 1
+        tok, lp = _sample(logits, self.greedy, self.cfg)
+        done = self._record(s.req[:n], tok, lp)
+        s.last[:n] = tok
+        if bool(done.any()):
+            s.drop(done)
+
+    def _outputs(self) -> BatchedDataDict:
+        """The `GenerationInterface` contract: prompt then generated tokens, right padded."""
+        B, T = self.input_ids.shape
+        gen_len, tokens, logprobs = self.gen_len.cpu(), self.tokens.cpu(), self.logprobs.cpu()
+        total = self.lengths + gen_len
+        width = int(total.max()) if B else 0
+        out_ids = torch.full((B, T + self.max_budget), self.pad_id, dtype=torch.long)
+        out_lp = torch.zeros((B, T + self.max_budget), dtype=torch.float32)
+        prompt = torch.arange(T)[None] < self.lengths[:, None]
+        out_ids[:, :T] = torch.where(prompt, self.input_ids.long(), self.pad_id)
+        cols = self.lengths[:, None] + torch.arange(self.max_budget)[None]
+        out_ids.scatter_(1, cols, tokens)  # tokens past a row's end are still pad
+        out_lp.scatter_(1, cols, logprobs)
+        return BatchedDataDict(
+            output_ids=out_ids[:, :width],
+            logprobs=out_lp[:, :width],
+            generation_lengths=gen_len,
+            unpadded_sequence_lengths=total,
+            truncated=~self.ended.cpu(),
+        )
+
+
+def continuous_generate(model, tokenizer, data: BatchedDataDict, cfg: GenerationConfig, *, greedy: bool,
+                        max_total_length: int, slots: int, device: torch.device) -> BatchedDataDict:
+    """`hf_generate`'s contract, decoded by continuous batching over `slots` rows (see module doc)."""
+    # inference_mode skips autograd bookkeeping; FSDP2's hooks write to parameters in place, which
+    # inference mode forbids on ordinary tensors, so sharded models get no_grad.
+    fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    with torch.no_grad() if fsdp else torch.inference_mode():
+        out = ContinuousBatcher(model, tokenizer, data, cfg, greedy=greedy, max_total_length=max_total_length,
+                                slots=slots, device=device).run()
+    # Cloned outside inference mode: inference tensors cannot be saved for backward, and the training
+    # step embeds these ids.
+    return BatchedDataDict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out.items()})
