@@ -18,6 +18,7 @@ from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_
 from nemo_like.data.datasets import DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import env_config_model
+from nemo_like.models.generation.backends import GENERATION_BACKENDS
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
@@ -255,6 +256,7 @@ class MasterConfig(_Strict):
             get_advantage_estimator(self.grpo.advantage_estimator)
         except KeyError as e:
             raise ValueError(f"grpo.advantage_estimator: {e.args[0]}") from None
+        self._check_generation()
         self._check_async()
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
@@ -262,6 +264,17 @@ class MasterConfig(_Strict):
             raise ValueError(f"data.train: sampling_weight is set on some datasets but not on those of tasks "
                              f"{missing}; set it on every train dataset or on none")
         return self
+
+    def _check_generation(self) -> None:
+        g = self.policy.generation
+        if g.backend not in GENERATION_BACKENDS:
+            try:
+                GENERATION_BACKENDS.get(g.backend)
+            except KeyError as e:
+                raise ValueError(f"policy.generation.backend: {e.args[0]}") from None
+        if g.colocated and g.backend != "hf":
+            raise ValueError(f"policy.generation.backend={g.backend!r} generates in a rollout group of its own: set "
+                             "policy.generation.colocated=false (colocated generation is the training workers' HF)")
 
     def _check_async(self) -> None:
         a = self.grpo.async_rollouts

@@ -398,6 +398,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
     from nemo_like.environments.registry import create_env_actor, registered_envs
     from nemo_like.environments.supervision import wait_for_env_actors
+    from nemo_like.models.generation.backends import generation_worker_cls
     from nemo_like.models.generation.rollout_group import RolloutGroup
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.pretrained import resolve_model_source
@@ -470,7 +471,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         resources.append(policy.shutdown)
         generator = policy
         if not cfg.policy.generation.colocated:  # a rollout group of its own, sent the weights after each update
-            generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed)
+            generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed,
+                                     worker_cls=generation_worker_cls(cfg.policy.generation.backend))
             resources.append(generator.shutdown)
         logger = Logger(cfg.logger)
         resources.append(logger.close)

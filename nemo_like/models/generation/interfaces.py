@@ -12,9 +12,10 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 
 class GenerationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # "hf": generate inside the training workers (colocated, same weights, no refit). "vllm" is
-    # reserved for GPU runs; selecting it today is a clear error rather than a silent fallback.
-    backend: Literal["hf", "vllm"] = "hf"
+    # A registered generation backend (models/generation/backends.py): "hf" (transformers, in the
+    # training workers when colocated, else in rollout workers). Another engine (vLLM, SGLang) is a
+    # worker class in one module plus register_generation_backend(); it needs colocated: false.
+    backend: str = Field("hf", min_length=1)
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -26,8 +27,8 @@ class GenerationConfig(BaseModel):
     # (models/generation/engine.py): a sample that ends frees its row for the next waiting prompt,
     # finished rows are never computed again, and no step copies the whole cache. Its outputs are those
     # of "generate" (greedy ids equal, log-probs to float tolerance: tests/unit/models/test_engine.py),
-    # and it measured faster on every workload of benchmarks/bench_generation.py (tiny model 1.36x with
-    # full-length samples, 1.78x with ragged budgets; SmolLM2-135M shape 1.11x / 1.24x). "generate":
+    # and it measured faster on every workload of benchmarks/bench_generation.py (tiny model 1.63x with
+    # full-length samples, 1.82x with ragged budgets; SmolLM2-135M shape 1.07x / 1.21x). "generate":
     # HF `generate` per micro-batch, each running until its longest sample ends. FSDP across ranks
     # (collectives in every forward) and models whose cache rows cannot be moved freely (sliding-window,
     # recurrent layers) always use "generate".
