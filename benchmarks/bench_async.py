@@ -30,13 +30,18 @@ QUIET = ["checkpointing.enabled=false", "logger.jsonl_enabled=false", "logger.te
          "logger.stdout_enabled=false", "logger.wandb_enabled=false"]
 
 
-def async_overrides(staleness: int, cpus: int) -> list[str]:
-    """Async GRPO on this machine: the trainer and one rollout worker share its cores."""
-    train_cpus = max(1, cpus // 2)
-    return ["policy.generation.colocated=false", "grpo.async_rollouts.enabled=true",
-            f"grpo.async_rollouts.max_staleness={staleness}", "loss_fn.use_importance_sampling_correction=true",
-            "loss_fn.truncated_importance_sampling_ratio=2.0", f"cluster.cpus_per_worker={train_cpus}",
-            f"cluster.generation.cpus_per_worker={max(1, cpus - train_cpus)}"]
+def async_overrides(staleness: int, cpus: int, split: tuple[int, int] | None = None) -> list[str]:
+    """Async GRPO on this machine: the trainer and one rollout worker share its cores (``split``:
+    threads of each; more in all than the machine has oversubscribes it on purpose, for rollouts
+    that mostly wait on I/O)."""
+    train_cpus, gen_cpus = split or (max(1, cpus // 2), max(1, cpus - max(1, cpus // 2)))
+    out = ["policy.generation.colocated=false", "grpo.async_rollouts.enabled=true",
+           f"grpo.async_rollouts.max_staleness={staleness}", "loss_fn.use_importance_sampling_correction=true",
+           "loss_fn.truncated_importance_sampling_ratio=2.0", f"cluster.cpus_per_worker={train_cpus}",
+           f"cluster.generation.cpus_per_worker={gen_cpus}"]
+    if train_cpus + gen_cpus > cpus:  # Ray's CPUs are a count of slots, not cores
+        out.append(f"cluster.num_cpus={train_cpus + gen_cpus + 1}")
+    return out
 
 
 def run_child(config: str, overrides: list[str], out: str) -> None:
@@ -79,6 +84,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--latency", type=float, action="append", help="tool call latency(ies), s (default: 0 and 1)")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
     ap.add_argument("--staleness", type=int, default=1)
+    ap.add_argument("--async-threads", default=None, metavar="TRAIN,ROLLOUT",
+                    help="threads of the async trainer and rollout worker (default: the cores split in two)")
     ap.add_argument("--png", default="bench_async.png")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
@@ -88,6 +95,7 @@ def main(argv: list[str]) -> int:
         run_child(args.config, json.loads(spec), out)
         return 0
     cpus = os.cpu_count() or 2
+    split = tuple(int(x) for x in args.async_threads.split(",")) if args.async_threads else None
     latencies = args.latency or [0.0, 1.0]
     base = QUIET + ([f"grpo.max_num_steps={args.steps}"] if args.steps else []) + overrides
     results: dict[tuple[float, str], dict] = {}
@@ -95,7 +103,7 @@ def main(argv: list[str]) -> int:
         # Tool calls that wait on I/O must not queue for a thread: a slot per call of a whole batch.
         lat_o = [f"env.tool.call_latency_s={lat}", "env.tool.max_concurrent_calls=256", "env.tool.max_stuck_calls=256",
                  f"env.tool.timeout_s={max(2.0, 2 * lat + 1)}"] if lat else []
-        for mode, extra in (("sync", []), ("async", async_overrides(args.staleness, cpus))):
+        for mode, extra in (("sync", []), ("async", async_overrides(args.staleness, cpus, split))):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "r.json"
                 cmd = [sys.executable, __file__, "--config", args.config, "--_child",
@@ -106,7 +114,7 @@ def main(argv: list[str]) -> int:
 
     print(f"\ncommand: uv run benchmarks/bench_async.py {' '.join(argv)}")
     print(f"config: {args.config} ({os.cpu_count()} CPUs); async: max_staleness={args.staleness}, "
-          f"one rollout worker, {' '.join(async_overrides(args.staleness, cpus)[4:])}\n")
+          f"one rollout worker, {' '.join(async_overrides(args.staleness, cpus, split)[4:])}\n")
     print("| tool latency | mode | wall s | s/step | async/sync | final held-out accuracy per task | staleness max |")
     print("|---|---|---|---|---|---|---|")
     for lat in latencies:
