@@ -179,11 +179,12 @@ def check_extra_ro_binds(paths: Sequence[str], key: str = "extra_ro_binds") -> t
     for p in paths:
         if os.path.realpath(p) == "/":
             raise ValueError(f"{key}: / would make the whole host visible; list the directories programs need")
-        if not os.path.exists(p):
-            raise ValueError(f"{key}: {p} does not exist")
+        # Ray's dirs first: one that does not exist yet (Ray not started) is still never to be shown.
         conflict = ray_dir_conflict(p)
         if conflict is not None:
             raise ValueError(f"{key}: {conflict}; Ray's sockets are never shown to sandboxed programs")
+        if not os.path.exists(p):
+            raise ValueError(f"{key}: {p} does not exist")
     return tuple(paths)
 
 
