@@ -113,3 +113,20 @@ def test_resume_with_batches_in_flight_draws_their_prompts_again(ray_session, tm
         assert int(second.last_batch["policy_version"].min()) >= 2 - 1
     finally:
         second.close()
+
+
+def test_the_notebook_api_steps_one_optimizer_step_at_a_time_with_async_rollouts(ray_session, tmp_path, cache):
+    from nemo_like import GRPOExperiment
+
+    cfg = _config(tmp_path, cache, "checkpointing.enabled=false", "grpo.async_rollouts.max_staleness=1")
+    with GRPOExperiment(cfg, resume=False) as exp:
+        first = exp.step()
+        assert exp.step_count == 1 and first["train/staleness_max"] == 0  # nothing older exists yet
+        exp.step()
+        assert exp.step_count == 2 and exp.trainer.generator.policy_version == 2
+        v = exp.validate()  # greedy, on the rollout worker, with the weights of step 2
+        assert v["val/num_samples"] == 4
+        assert len(exp.generate(["1+2=?"])) == 1
+        threads = list(exp.trainer.async_rollouts._threads)
+        assert len(threads) == 2 and all(t.is_alive() for t in threads)  # buffer_size producers
+    assert not any(t.is_alive() for t in threads)  # close() stopped them
