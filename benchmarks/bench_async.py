@@ -53,10 +53,9 @@ def run_child(config: str, overrides: list[str], out: str) -> None:
     trainer = setup(cfg, resume=False)
     points, steps = [], []
     try:
-        t0 = time.perf_counter()
-        trainer.validate()
+        trainer.validate()  # the base model's: the same for both sides, not timed
         points.append({"wall_s": 0.0, "step": 0, **trainer.last_val_metrics})
-        t0 = time.perf_counter()  # the base model's validation is the same for both: not timed
+        t0 = time.perf_counter()
         for _ in range(cfg.grpo.max_num_steps):
             m = trainer.step()
             steps.append({k: v for k, v in m.items() if k.startswith(("timing/", "train/staleness", "async/",

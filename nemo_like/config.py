@@ -272,9 +272,6 @@ class MasterConfig(_Strict):
                 GENERATION_BACKENDS.get(g.backend)
             except KeyError as e:
                 raise ValueError(f"policy.generation.backend: {e.args[0]}") from None
-        if g.colocated and g.backend != "hf":
-            raise ValueError(f"policy.generation.backend={g.backend!r} generates in a rollout group of its own: set "
-                             "policy.generation.colocated=false (colocated generation is the training workers' HF)")
 
     def _check_async(self) -> None:
         a = self.grpo.async_rollouts

@@ -112,6 +112,8 @@ class AsyncRolloutRunner:
                 raise RuntimeError(f"a rollout thread failed: {self._error!r}") from self._error
             rb = self._ready.pop(step)
             self._next_take += 1
+            # What a checkpoint after this step stores: a step that fails before its save saves nothing.
+            self._taken_state = rb.sampler_state
             fill = len(self._ready)
             self._cond.notify_all()  # a slot is free
             now = time.perf_counter()
@@ -137,11 +139,9 @@ class AsyncRolloutRunner:
         return rb, metrics
 
     def resume_sampler_state(self, fallback: dict) -> dict:
-        """The sampler state a checkpoint stores: right after the last batch taken by the trainer."""
+        """The sampler state a checkpoint stores: right after the last batch taken by the trainer
+        (``fallback`` before any was taken)."""
         return self._taken_state if self._taken_state is not None else fallback
-
-    def mark_trained(self, rb: RolloutBatch) -> None:
-        self._taken_state = rb.sampler_state
 
     def close(self, timeout: float = 30.0) -> None:
         with self._cond:

@@ -185,7 +185,6 @@ class GRPOTrainer:
                     refit_metrics = self.generator.update_weights_from(self.policy, version=self.step_count + 1)
                 if self.async_rollouts is not None:
                     self.async_rollouts.weights_updated(self.step_count + 1)
-                    self.async_rollouts.mark_trained(taken)
 
         self.step_count += 1
         batch["advantages"] = advantages

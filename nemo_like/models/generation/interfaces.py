@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 
@@ -42,6 +42,14 @@ class GenerationConfig(BaseModel):
     # neither side ever holds a second full copy of the weights in flight.
     refit_chunk_mb: float = Field(64.0, gt=0)
 
+
+    @model_validator(mode="after")
+    def _other_backends_run_apart(self) -> GenerationConfig:
+        # Colocated generation is the training workers' own HF model; any other engine is a worker of its own.
+        if self.colocated and self.backend != "hf":
+            raise ValueError(f"policy.generation.backend={self.backend!r} generates in a rollout group of its own: "
+                             "set policy.generation.colocated=false (colocated generation is the training workers' HF)")
+        return self
 
 class GenerationInterface(abc.ABC):
     """Input `data`: input_ids [B,T] right padded, input_lengths [B], optional stop_strings (list).

@@ -20,11 +20,10 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.hf_generation import hf_generate
-from nemo_like.models.policy.hf_worker import pick_device
+from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.weight_export import named_checksum, tensor_bytes
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What generate() passes to the engine; anything else in a batch (rewards, message logs) stays behind.
 GENERATE_KEYS = ("input_ids", "input_lengths", "stop_strings")
 
@@ -47,7 +46,7 @@ class RolloutWorker:
         torch.manual_seed(seed + self.rank)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
                                                        trust_remote_code=config.trust_remote_code)
-        dtype = _DTYPES[config.precision] if use_cuda else torch.float32
+        dtype = PRECISION_DTYPES[config.precision] if use_cuda else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=dtype,
                                                           trust_remote_code=config.trust_remote_code)
         self.model.to(self.device).eval()

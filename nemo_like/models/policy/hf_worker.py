@@ -42,7 +42,7 @@ from nemo_like.models.policy.packing import (
 )
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
@@ -178,7 +178,7 @@ class HFPolicyWorker:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = None
         if self.cfg.precision != "float32":
-            mp = MixedPrecisionPolicy(param_dtype=_DTYPES[self.cfg.precision], reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[self.cfg.precision], reduce_dtype=torch.float32)
         kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
         layers = getattr(getattr(hf_model(model), "model", None), "layers", None)
         for layer in layers or []:

@@ -26,9 +26,6 @@ class Policy(PolicyInterface, GenerationInterface):
     def __init__(self, cluster: RayVirtualCluster, config: PolicyConfig, *, seed: int = 0,
                  init_reference_model: bool = True, init_optimizer: bool = True,
                  name_prefix: str = "policy", weights_path: str | None = None):
-        if config.generation.colocated and config.generation.backend != "hf":
-            raise ValueError(f"policy.generation.backend={config.generation.backend!r} generates in a rollout group "
-                             "of its own: set policy.generation.colocated=false")
         self.cfg = config
         self.cluster = cluster
         self._on_gpu = bool(getattr(cluster, "gpus_per_worker", 0))

@@ -52,7 +52,6 @@ def _train(runner: AsyncRolloutRunner, world: _World, steps: int, train_s: float
         with world.lock:
             world.version = step + 1
         runner.weights_updated(step + 1)  # the refit
-        runner.mark_trained(rb)
     return got
 
 

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from _nl_model_test_helpers import chat_prompts
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.engine import continuous_generate, unsupported_reason
@@ -43,13 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _prompts(tok, G: int = G) -> BatchedDataDict:
-    texts = ["1+2=", "13+45=", "99+1=", "5+60=", "7*7=", "70-8=", "123+456=", "0+0="]
-    enc = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
-               add_special_tokens=False)["input_ids"] for t in texts]
-    ids = torch.full((len(enc), max(map(len, enc))), tok.pad_token_id)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(e) for e in enc])).repeat_interleave(G)
+    return chat_prompts(tok, ["1+2=", "13+45=", "99+1=", "5+60=", "7*7=", "70-8=", "123+456=", "0+0="], G)
 
 
 def _run(model, tok, data, engine: str, *, greedy=True, max_total=None, slots=5, mbs=7, **cfg_kw):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _nl_model_test_helpers import chat_prompts
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.hf_generation import hf_generate
@@ -21,13 +22,7 @@ def tiny(tmp_path_factory):
 
 
 def _grpo_prompts(tok, G: int) -> BatchedDataDict:
-    texts = ["1+2=", "13+45=", "99+1=", "5+60=", "7*7=", "70-8="]  # several prompt lengths: left padding
-    enc = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
-               add_special_tokens=False)["input_ids"] for t in texts]
-    ids = torch.full((len(enc), max(map(len, enc))), tok.pad_token_id)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(e) for e in enc])).repeat_interleave(G)
+    return chat_prompts(tok, ["1+2=", "13+45=", "99+1=", "5+60=", "7*7=", "70-8="], G)  # several lengths: left padding
 
 
 @pytest.mark.parametrize("engine", ["generate", "continuous"])

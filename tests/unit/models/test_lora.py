@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from _nl_model_test_helpers import tokenized
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -36,14 +37,10 @@ def _cfg(model_dir, lora=None, **kw) -> PolicyConfig:
 
 
 def _batch(model_dir, texts=TEXTS) -> BatchedDataDict:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    lens = torch.tensor([len(i) for i in ids])
-    out = torch.full((len(ids), int(lens.max())), tok.pad_token_id)
-    for i, t in enumerate(ids):
-        out[i, : len(t)] = t
-    mask = (torch.arange(out.shape[1])[None] < lens[:, None]).long()
-    return BatchedDataDict(input_ids=out, input_lengths=lens, token_mask=mask, sample_mask=torch.ones(len(ids)))
+    data = tokenized(AutoTokenizer.from_pretrained(model_dir), texts)
+    data["token_mask"] = (torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]).long()
+    data["sample_mask"] = torch.ones(data.size)
+    return data
 
 
 def _hf_logprobs(model_or_dir, data: BatchedDataDict) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from _nl_model_test_helpers import tokenized
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_like.algorithms.loss_functions import NLLLossFn
@@ -27,12 +28,7 @@ def _cfg(model_dir: str, **kw) -> PolicyConfig:
 
 
 def _batch(tok, texts: list[str]) -> BatchedDataDict:
-    ids = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    lens = torch.tensor([len(i) for i in ids])
-    out = torch.full((len(ids), int(lens.max())), tok.pad_token_id)
-    for i, t in enumerate(ids):
-        out[i, : len(t)] = t
-    return BatchedDataDict(input_ids=out, input_lengths=lens)
+    return tokenized(tok, texts)
 
 
 def _train_batch(tok) -> BatchedDataDict:
