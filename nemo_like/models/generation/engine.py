@@ -45,8 +45,26 @@ def token_budgets(lengths: torch.Tensor, cfg: GenerationConfig, max_total_length
     return budgets
 
 
+def position_limit(model) -> int | None:
+    """How many positions a model with learned absolute positions has (a row must not run past its
+    table); None for rotary ones, which compute positions on the fly."""
+    mc = getattr(model, "config", None)
+    rotary = mc is None or hasattr(mc, "rope_parameters") or hasattr(mc, "rope_theta")
+    return None if rotary else getattr(mc, "max_position_embeddings", None)
+
+
+# model -> why the engine cannot drive it (or None): checked once per model, not per generate call.
+_UNSUPPORTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def unsupported_reason(model) -> str | None:
     """Why the engine cannot drive this model (the caller then uses HF `generate`), or None."""
+    if model not in _UNSUPPORTED:
+        _UNSUPPORTED[model] = _unsupported_reason(model)
+    return _UNSUPPORTED[model]
+
+
+def _unsupported_reason(model) -> str | None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -253,9 +271,7 @@ class ContinuousBatcher:
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
         self.tokenizer = tokenizer
         budgets = token_budgets(self.lengths, cfg, max_total_length)
-        mc = model.config
-        rotary = hasattr(mc, "rope_parameters") or hasattr(mc, "rope_theta")
-        pos_limit = None if rotary else getattr(mc, "max_position_embeddings", None)
+        pos_limit = position_limit(model)
         if pos_limit is not None:  # learned absolute positions: a row may not run past the table
             budgets = torch.minimum(budgets, (pos_limit - self.lengths).clamp(min=1))
         self.budgets = budgets.to(device)

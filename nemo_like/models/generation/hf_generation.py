@@ -7,7 +7,12 @@ import logging
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.models.generation.engine import continuous_generate, token_budgets, unsupported_reason
+from nemo_like.models.generation.engine import (
+    continuous_generate,
+    position_limit,
+    token_budgets,
+    unsupported_reason,
+)
 from nemo_like.models.generation.interfaces import GenerationConfig
 
 logger = logging.getLogger(__name__)
@@ -58,9 +63,7 @@ def hf_generate(
     budgets = token_budgets(lengths, cfg, max_total_length)
     # Positions past the model's table would crash models with learned absolute positions; rotary
     # ones compute positions on the fly (tokens past a sample's budget are dropped anyway).
-    cfg_m = getattr(model, "config", None)
-    rotary = cfg_m is None or hasattr(cfg_m, "rope_parameters") or hasattr(cfg_m, "rope_theta")
-    pos_limit = None if rotary else getattr(cfg_m, "max_position_embeddings", None)
+    pos_limit = position_limit(model)
     stop_strings = cfg.stop_strings
     if "stop_strings" in data and any(s for s in data["stop_strings"]):
         # HF applies one stop-string list to the whole batch; take the union of the samples' lists.
