@@ -346,10 +346,11 @@ def _nested_model(field: Any) -> type[BaseModel] | None:
     return sub[0] if sub else None
 
 
-def schema_field(keys: list[str]) -> Any:
-    """The field of the config schema at ``keys`` (``["grpo", "dynamic_sampling", "enabled"]``), or
-    None where the schema has none (a missing key, or a key under a free-form mapping)."""
-    model: type[BaseModel] | None = MasterConfig
+def schema_field(keys: list[str], schema: type[BaseModel] | None = None) -> Any:
+    """The field of the config schema (``MasterConfig`` unless given) at ``keys`` (``["grpo",
+    "dynamic_sampling", "enabled"]``), or None where the schema has none (a missing key, or a key
+    under a free-form mapping)."""
+    model: type[BaseModel] | None = schema or MasterConfig
     field = None
     for k in keys:
         field = model.model_fields.get(k) if model is not None else None
@@ -359,10 +360,10 @@ def schema_field(keys: list[str]) -> Any:
     return field
 
 
-def _schema_has(keys: list[str]) -> bool:
+def _schema_has(keys: list[str], schema: type[BaseModel] | None = None) -> bool:
     """``keys`` name a field of the schema, or lie under a free-form mapping (``env.<name>.<option>``)."""
     for i in range(1, len(keys) + 1):
-        field = schema_field(keys[:i])
+        field = schema_field(keys[:i], schema)
         if field is None:
             return False
         if _nested_model(field) is None and getattr(field.annotation, "__origin__", None) is dict:
@@ -370,16 +371,17 @@ def _schema_has(keys: list[str]) -> bool:
     return True
 
 
-def _schema_fields(keys: list[str]) -> list[str]:
+def _schema_fields(keys: list[str], schema: type[BaseModel] | None = None) -> list[str]:
     """Field names the schema has at ``keys`` (for a did-you-mean when the YAML has no such section)."""
-    field = schema_field(keys) if keys else None
-    model = MasterConfig if not keys else _nested_model(field) if field is not None else None
+    field = schema_field(keys, schema) if keys else None
+    model = (schema or MasterConfig) if not keys else _nested_model(field) if field is not None else None
     return list(model.model_fields) if model is not None else []
 
 
-def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
-    """`a.b=value` sets a key that the YAML or the schema knows; `++a.b=value` may add any key.
-    Values are parsed as YAML (`3` int, `true` bool, `null` None, `[1,2]` list)."""
+def apply_overrides(cfg: dict, overrides: list[str], schema: type[BaseModel] | None = None) -> dict:
+    """`a.b=value` sets a key that the YAML or the schema (``MasterConfig`` unless given) knows;
+    `++a.b=value` may add any key. Values are parsed as YAML (`3` int, `true` bool, `null` None,
+    `[1,2]` list)."""
     for ov in overrides:
         force = ov.startswith("++")
         body = ov[2:] if force else ov
@@ -399,15 +401,15 @@ def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
                 node[k] = {}
             node = node[k]
         present = parts[-1] in node
-        if not (present or force or _schema_has(parts)):
-            close = difflib.get_close_matches(parts[-1], list(node) + _schema_fields(parts[:-1]), n=1)
+        if not (present or force or _schema_has(parts, schema)):
+            close = difflib.get_close_matches(parts[-1], list(node) + _schema_fields(parts[:-1], schema), n=1)
             hint = f" (did you mean {'.'.join(parts[:-1] + close)}?)" if close else ""
             raise ConfigError(f"override {ov!r}: unknown config key {key!r}{hint}; use ++{key}=... to add it")
         node[parts[-1]] = value
     return cfg
 
 
-def _format_validation_error(e: ValidationError) -> str:
+def format_validation_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
@@ -424,7 +426,7 @@ def validate_config(cfg: dict) -> MasterConfig:
     try:
         return MasterConfig.model_validate(cfg)
     except ValidationError as e:
-        raise ConfigError(f"invalid config: {_format_validation_error(e)}") from None
+        raise ConfigError(f"invalid config: {format_validation_error(e)}") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterConfig:

@@ -16,7 +16,8 @@ sample whose reward is NaN stays out of every baseline and gets advantage 0 — 
 masking, not the estimators, which raise ValueError on a non-finite reward. The built-ins compute in
 float64, return the rewards' dtype (float32 for integer/bool rewards) and carry no gradient.
 
-Built-ins: ``grpo`` (:func:`compute_grpo_advantages` with ``use_leave_one_out_baseline`` and
+Built-ins: ``mean`` (= ``dr_grpo``) and ``mean_std`` (group mean and std, no leave-one-out: what
+trajectory-level GRPO uses), ``grpo`` (:func:`compute_grpo_advantages` with ``use_leave_one_out_baseline`` and
 ``std_scale``), ``dr_grpo`` (reward minus group mean, no std: Dr. GRPO), ``rloo`` (reward minus the
 mean of the group's other members) and ``reinforce_pp`` (group-centred, then normalised over the
 batch: REINFORCE++ baseline).
@@ -204,6 +205,19 @@ def dr_grpo_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config:
     """Reward minus the group mean: no std division (its per-group scaling biases toward groups
     that are nearly all right or all wrong) and no leave-one-out; ignores the config."""
     return compute_grpo_advantages(rewards, group_ids, leave_one_out=False, std_scale=None)
+
+
+# The names trajectory-level GRPO uses (``grpo.advantage`` of a gym config): ``mean`` is dr_grpo.
+register_advantage_estimator("mean", dr_grpo_estimator)
+
+
+@register_advantage_estimator("mean_std")
+def mean_std_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                       token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(r - mean_group) / (std_group + eps)`` (unbiased std; a group with equal rewards gets 0), no
+    leave-one-out; ``eps`` from ``config.adv_eps`` (default 1e-6)."""
+    return compute_grpo_advantages(rewards, group_ids, leave_one_out=False, std_scale="group",
+                                   eps=getattr(config, "adv_eps", 1e-6))
 
 
 @register_advantage_estimator("rloo")

@@ -269,7 +269,11 @@ def _check_factory(name: str, obj: Any) -> None:
 
 LossFactory = Callable[..., LossFunction]
 LOSSES: Registry[LossFactory] = Registry(
-    "loss", check=_check_factory, builtins={"clipped_pg": ClippedPGLossFn, "nll": NLLLossFn}
+    "loss", check=_check_factory, builtins={
+        "clipped_pg": ClippedPGLossFn, "nll": NLLLossFn,
+        # REINFORCE on whole trajectories (trajectory-level GRPO for step-environment agents).
+        "trajectory_pg": "nemo_like.algorithms.trajectory_loss.TrajectoryPGLossFn",
+    }
 )
 
 

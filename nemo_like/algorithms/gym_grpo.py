@@ -1,0 +1,421 @@
+"""Trajectory-level GRPO for agents on step environments (games, control): one update per `step()`.
+
+A group is K trajectories from one reset seed (the step-environment analogue of G completions of
+one prompt). Each trajectory is reduced to its return ``R_i = sum_t r_{i,t}``; the registered
+advantage estimator (``grpo.advantage``: ``mean`` or ``mean_std``) makes it group-relative; the
+registered loss (``loss_fn.name``, by default ``trajectory_pg``) is REINFORCE on the whole trajectory,
+``-mean_i A_i sum_t log pi(a_t | s_t)``, recomputed with the live weights for ``update_epochs``
+passes. No value function, no GAE: the value head of the network is not trained.
+
+Collectors are Ray actors (nemo_like.experience.step_collector) that act with the weights of the
+latest update (pushed at the start of every step, checked by version); the learner runs here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.experience.step_collector import CollectorGroup, Trajectory
+from nemo_like.gym_config import GymMasterConfig
+from nemo_like.models.agent import ObsBatch, build_network, obs_index
+from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
+from nemo_like.utils.logger import Logger, progress_interval
+from nemo_like.utils.timer import Timer
+
+__all__ = ["GymGRPOTrainer", "VAL_SEED_BASE", "gym_grpo_train", "setup_gym", "step_seeds"]
+
+# Training reset seeds are drawn from [0, VAL_SEED_BASE); validation uses VAL_SEED_BASE + i, so a
+# held-out seed is never trained on.
+VAL_SEED_BASE = 10**9
+AGENT_FILE = "agent.pt"
+
+
+def step_seeds(seed: int, step: int, n: int, round_: int = 0) -> np.ndarray:
+    """The reset seeds of step ``step`` (refill round ``round_``): a pure function of the run seed,
+    so a resumed run draws exactly what the uninterrupted one would have, with no sampler state."""
+    return np.random.default_rng([seed, step, round_]).integers(0, VAL_SEED_BASE, size=n)
+
+
+def policy_logprobs(net: nn.Module, obs: ObsBatch, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step ``log pi(a_t | s_t)`` and the policy's entropy at ``s_t``, both [N], with gradient."""
+    logits, _ = net(obs)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return logp.gather(-1, actions[:, None]).squeeze(-1), entropy
+
+
+@dataclass
+class _Batch:
+    """The trajectories of the step, flat over steps, with the (trajectory, position) of each step."""
+
+    obs: ObsBatch
+    actions: torch.Tensor  # [N]
+    traj: torch.Tensor  # [N] trajectory index
+    pos: torch.Tensor  # [N] step index within its trajectory
+    lengths: torch.Tensor  # [B]
+    gen_logprobs: torch.Tensor  # [B, T]
+
+    @classmethod
+    def from_trajectories(cls, trajs: list[Trajectory]) -> _Batch:
+        lengths = torch.tensor([t.length for t in trajs])
+        traj = torch.repeat_interleave(torch.arange(len(trajs)), lengths)
+        pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        if isinstance(trajs[0].obs, dict):
+            obs: ObsBatch = {k: torch.from_numpy(np.concatenate([t.obs[k] for t in trajs])) for k in trajs[0].obs}
+        else:
+            obs = torch.from_numpy(np.concatenate([t.obs for t in trajs]))
+        actions = torch.from_numpy(np.concatenate([t.actions for t in trajs]))
+        gen = torch.from_numpy(np.concatenate([t.logprobs for t in trajs]))
+        batch = cls(obs, actions, traj, pos, lengths, gen)
+        batch.gen_logprobs = batch.pad(gen)
+        return batch
+
+    def pad(self, flat: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-step values [N] (of the trajectories ``rows``, in order) -> [B, T], differentiable."""
+        traj, pos = (self.traj, self.pos) if rows is None else self.select(rows)[1:]
+        b = len(self.lengths) if rows is None else len(rows)
+        t = int(self.lengths.max()) if rows is None else int(self.lengths[rows].max())
+        out = flat.new_zeros(b, t)
+        return out.index_put((traj, pos), flat)
+
+    def select(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step indices of trajectories ``rows``, and their (new trajectory index, position)."""
+        remap = torch.full((len(self.lengths),), -1, dtype=torch.long)
+        remap[rows] = torch.arange(len(rows))
+        steps = torch.nonzero(remap[self.traj] >= 0).squeeze(-1)
+        return steps, remap[self.traj[steps]], self.pos[steps]
+
+    def mask(self, rows: torch.Tensor) -> torch.Tensor:
+        lengths = self.lengths[rows]
+        return (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).float()
+
+
+@dataclass
+class GymGRPOTrainer:
+    config: GymMasterConfig
+    collectors: CollectorGroup
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Any
+    logger: Logger
+    checkpointer: CheckpointManager | None = None
+    ref_net: nn.Module | None = None
+    step_count: int = 0
+    env_steps: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    last_val_metrics: dict[str, float] = field(default_factory=dict)
+    first_val_return: float | None = None
+    stop_reason: str | None = None  # the run cannot learn: train() stops, the CLI exits 1
+    reached_target: bool = False  # val/return_mean reached grpo.target_val_return: train() stops
+    _empty_steps: int = 0
+    _last_error: str | None = None  # the first environment error seen, quoted when the run stops
+    _resources: list[Any] = field(default_factory=list)
+
+    def step(self) -> dict[str, float]:
+        """One update: collect groups with the latest weights, then ``update_epochs`` passes."""
+        cfg, g = self.config, self.config.grpo
+        timer = Timer()
+        metrics: dict[str, float] = {}
+        with timer.time("total"):
+            # 1. The collectors get the weights of the latest update (version = updates so far).
+            with timer.time("weight_sync"):
+                metrics["refit/bytes"] = self.collectors.push_weights(self.net.state_dict(), self.step_count)
+            # 2-3. K trajectories per reset seed; short and failed ones are dropped and their groups
+            #      refilled from the same seed; only complete groups are kept.
+            with timer.time("collect"):
+                groups, stats = self._collect_groups()
+            metrics.update(stats)
+            if groups:
+                self._empty_steps = 0
+                trajs = [t for grp in groups for t in grp]
+                # 4. Group-relative advantages of the returns.
+                with timer.time("advantages"):
+                    returns = torch.tensor([t.ret for t in trajs], dtype=torch.float64)
+                    group_ids = torch.repeat_interleave(torch.arange(len(groups)), g.group_size)
+                    adv = get_advantage_estimator(g.advantage)(returns, group_ids, config=g).float()
+                batch = _Batch.from_trajectories(trajs)
+                # 5. Reference log-probs (only when the KL term is on) and the pre-update ones (a loss
+                #    with a ratio, such as clipped_pg, needs them; trajectory_pg does not).
+                with timer.time("reference"):
+                    fixed = self._fixed_logprobs(batch)
+                # 6. update_epochs passes of minibatches of whole groups.
+                with timer.time("train"):
+                    metrics.update(self._train(batch, adv, fixed, len(groups)))
+                # 7. Refresh the frozen reference every ref_sync_every updates.
+                if self.ref_net is not None and (self.step_count + 1) % g.ref_sync_every == 0:
+                    self.ref_net.load_state_dict(self.net.state_dict())
+                metrics.update(self._train_stats(groups, adv))
+            else:
+                self._empty_steps += 1
+                if self._empty_steps >= g.max_empty_steps:
+                    self.stop_reason = (f"no complete group in {self._empty_steps} steps in a row: {stats['train/dropped_short']:.0f} "
+                                        f"trajectories shorter than env.min_trajectory_length={cfg.env.min_trajectory_length} "
+                                        f"and {stats['train/episodes_failed']:.0f} failed episodes in the last one"
+                                        + (f" (first error: {self._last_error})" if self._last_error else ""))
+        self.step_count += 1
+        metrics["train/env_steps_total"] = float(self.env_steps)
+        metrics["collectors/restarts"] = float(self.collectors.restarts)
+        metrics.update({f"timing/{k}": v for k, v in timer.get_timing_metrics("sum").items()})
+        metrics["timing/env_steps_per_s"] = metrics["train/env_steps"] / max(metrics["timing/collect"], 1e-9)
+        # 8. Validation: greedy, on held-out seeds.
+        if g.val_period and self.step_count % g.val_period == 0:
+            metrics.update(self.validate())
+        self.logger.log_metrics(metrics, step=self.step_count)
+        self.history.append({"step": self.step_count} | metrics)
+        if self.checkpointer and (self.step_count % cfg.checkpointing.save_period == 0 or self.stop_reason):
+            self.save_checkpoint(metrics)
+        return metrics
+
+    def _collect_groups(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        g, env = self.config.grpo, self.config.env
+        seeds = step_seeds(g.seed, self.step_count, g.num_groups_per_step)
+        kept: list[list[Trajectory]] = [[] for _ in seeds]
+        stats = {"train/dropped_short": 0.0, "train/episodes_failed": 0.0, "train/env_steps": 0.0,
+                 "train/refill_rounds": 0.0}
+        need = [g.group_size] * len(seeds)
+        for round_ in range(g.max_refill_rounds + 1):
+            sample_seeds = step_seeds(g.seed + 1, self.step_count, len(seeds), round_)
+            jobs = [{"group_id": i, "seed": int(s), "count": n, "sample_seed": int(sample_seeds[i])}
+                    for i, (s, n) in enumerate(zip(seeds, need, strict=True)) if n > 0]
+            if not jobs:
+                break
+            stats["train/refill_rounds"] = float(round_)
+            for t in self.collectors.collect(jobs):
+                stats["train/env_steps"] += t.length
+                if t.failed is not None:
+                    stats["train/episodes_failed"] += 1
+                    self._last_error = self._last_error or t.failed
+                elif t.length < env.min_trajectory_length:
+                    stats["train/dropped_short"] += 1
+                else:
+                    kept[t.group_id].append(t)
+            need = [g.group_size - len(k) for k in kept]
+        self.env_steps += int(stats["train/env_steps"])
+        complete = [k for k in kept if len(k) == g.group_size]
+        stats["train/groups_complete"] = float(len(complete))
+        stats["train/groups_incomplete"] = float(len(kept) - len(complete))
+        return complete, stats
+
+    def _fixed_logprobs(self, batch: _Batch) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            if self.ref_net is not None:
+                out["reference_policy_logprobs"] = batch.pad(policy_logprobs(self.ref_net, batch.obs, batch.actions)[0])
+            if self.config.loss_fn["name"] != "trajectory_pg":
+                out["prev_logprobs"] = batch.pad(policy_logprobs(self.net, batch.obs, batch.actions)[0])
+        return out
+
+    def _train(self, batch: _Batch, adv: torch.Tensor, fixed: dict[str, torch.Tensor], n_groups: int) -> dict[str, float]:
+        g, k = self.config.grpo, self.config.grpo.group_size
+        sums: dict[str, float] = {}
+        n_updates = 0
+        first_mismatch = None
+        for epoch in range(g.update_epochs):
+            order = torch.randperm(n_groups, generator=torch.Generator().manual_seed(g.seed * 7919 + self.step_count * 31 + epoch))
+            for chunk in torch.tensor_split(order, g.num_minibatches):
+                rows = (chunk[:, None] * k + torch.arange(k)[None, :]).flatten()
+                steps, _, _ = batch.select(rows)
+                lp, ent = policy_logprobs(self.net, obs_index(batch.obs, steps), batch.actions[steps])
+                curr = batch.pad(lp, rows)
+                mask = batch.mask(rows)
+                gen = batch.gen_logprobs[rows][:, : curr.shape[1]]
+                if first_mismatch is None:  # the collectors acted with these very weights: ~0
+                    first_mismatch = float(((curr.detach() - gen).abs() * mask).sum() / mask.sum())
+                data = {"advantages": adv[rows], "token_mask": mask, "generation_logprobs": gen,
+                        "entropy": batch.pad(ent, rows),
+                        **{name: v[rows][:, : curr.shape[1]] for name, v in fixed.items()}}
+                loss, m = self.loss_fn(curr, data, float(len(rows)), float(mask.sum()))
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                max_norm = self.config.policy.max_grad_norm
+                grad_norm = nn.utils.clip_grad_norm_(self.net.parameters(), max_norm if max_norm else float("inf"))
+                self.optimizer.step()
+                n_updates += 1
+                m["grad_norm"] = float(grad_norm)
+                for name, v in m.items():
+                    if name not in ("num_valid_seqs", "num_valid_tokens"):
+                        sums[name] = sums.get(name, 0.0) + float(v)
+        out = {f"train/{name}": v / n_updates for name, v in sums.items()}
+        out["train/logprob_mismatch"] = first_mismatch or 0.0
+        out["train/optimizer_steps"] = float(n_updates)
+        return out
+
+    def _train_stats(self, groups: list[list[Trajectory]], adv: torch.Tensor) -> dict[str, float]:
+        trajs = [t for grp in groups for t in grp]
+        returns = np.array([t.ret for t in trajs])
+        flat = sum(1 for grp in groups if len({t.ret for t in grp}) == 1)
+        return {"train/return_mean": float(returns.mean()), "train/return_max": float(returns.max()),
+                "train/return_min": float(returns.min()),
+                "train/episode_length_mean": float(np.mean([t.length for t in trajs])),
+                "train/advantage_abs_mean": float(adv.abs().mean()),
+                "train/zero_std_groups": float(flat),
+                "train/policy_version_lag": float(self.step_count - min(t.policy_version for t in trajs))}
+
+    def validate(self, log: bool = False) -> dict[str, float]:
+        """Greedy episodes on ``grpo.val_episodes`` held-out seeds with the current weights."""
+        g = self.config.grpo
+        if self.collectors.version != self.step_count:
+            self.collectors.push_weights(self.net.state_dict(), self.step_count)
+        jobs = [{"group_id": i, "seed": VAL_SEED_BASE + i, "count": 1, "sample_seed": 0} for i in range(g.val_episodes)]
+        trajs = [t for t in self.collectors.collect(jobs, greedy=True) if t.failed is None]
+        returns = np.array([t.ret for t in trajs]) if trajs else np.array([np.nan])
+        out = {"val/return_mean": float(returns.mean()), "val/return_std": float(returns.std()),
+               "val/episode_length_mean": float(np.mean([t.length for t in trajs])) if trajs else float("nan"),
+               "val/episodes_failed": float(g.val_episodes - len(trajs))}
+        self.last_val_metrics = out
+        if self.first_val_return is None:
+            self.first_val_return = out["val/return_mean"]
+        if g.target_val_return is not None and out["val/return_mean"] >= g.target_val_return:
+            self.reached_target = True
+        if log:
+            self.logger.log_metrics(out, step=self.step_count)
+            self.history.append({"step": self.step_count} | out)
+        return out
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
+        if self.checkpointer is None:
+            return None
+        merged = {**self.last_val_metrics, **(metrics or {})}
+        info = {"step": self.step_count,
+                "metrics": {k: float(v) for k, v in merged.items() if isinstance(v, (int, float)) and np.isfinite(v)}}
+        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
+        torch.save({"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "ref": self.ref_net.state_dict() if self.ref_net is not None else None}, tmp / AGENT_FILE)
+        (tmp / "run_config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
+        save_train_state(tmp, {"step": self.step_count, "env_steps": self.env_steps,
+                               "last_val_metrics": self.last_val_metrics,
+                               "first_val_return": self.first_val_return, "empty_steps": self._empty_steps})
+        return self.checkpointer.finalize_checkpoint(tmp)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        path = Path(path)
+        state = load_train_state(path)  # every file is checked against the manifest first
+        agent = torch.load(path / AGENT_FILE, weights_only=True, map_location="cpu")
+        self.net.load_state_dict(agent["net"])
+        self.optimizer.load_state_dict(agent["optimizer"])
+        if self.ref_net is not None:
+            self.ref_net.load_state_dict(agent["ref"] if agent["ref"] is not None else agent["net"])
+        self.step_count, self.env_steps = int(state["step"]), int(state["env_steps"])
+        self.last_val_metrics = dict(state["last_val_metrics"])
+        self.first_val_return = state["first_val_return"]
+        self._empty_steps = int(state["empty_steps"])
+
+    def close(self) -> None:
+        self.logger.close()
+        while self._resources:
+            res = self._resources.pop()
+            try:
+                res()
+            except Exception as e:  # closing must free everything it can
+                print(f"[nemo_like] while closing: {e!r}")
+        if self.checkpointer is not None:
+            self.checkpointer.release_lock()
+
+
+def gym_grpo_train(trainer: GymGRPOTrainer, max_steps: int | None = None) -> list[dict[str, float]]:
+    """Validation at start, ``step()`` until ``grpo.max_num_steps`` (or ``max_steps`` more), the
+    target return or a stop; validation and a checkpoint at the end."""
+    g = trainer.config.grpo
+    total = g.max_num_steps if max_steps is None else trainer.step_count + max_steps
+    if g.val_at_start and trainer.step_count == 0 and not trainer.history:
+        trainer.validate(log=True)
+    results: list[dict[str, float]] = []
+    with tqdm(total=total, initial=trainer.step_count, desc="GRPO", unit="update", dynamic_ncols=True,
+              mininterval=progress_interval()) as bar:
+        while trainer.step_count < total and not trainer.stop_reason and not trainer.reached_target:
+            m = trainer.step()
+            results.append(m)
+            bar.update(1)
+            bar.set_postfix({"return": f"{m.get('train/return_mean', float('nan')):.1f}",
+                             "val": f"{trainer.last_val_metrics.get('val/return_mean', float('nan')):.1f}"})
+    last_validated = g.val_period and trainer.step_count % g.val_period == 0
+    if g.val_at_end and results and not last_validated:
+        trainer.validate(log=True)
+    if trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period \
+            and not trainer.stop_reason:
+        trainer.save_checkpoint(results[-1])
+    return results
+
+
+
+def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer:
+    """Start (or join) Ray, the collectors, the network and its optimizer, the logger and the
+    checkpointer; resume from the latest checkpoint in checkpoint_dir."""
+    import copy
+
+    import ray
+
+    from nemo_like.algorithms.loss_functions import get_loss_fn
+    from nemo_like.config import ConfigError
+    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+    from nemo_like.utils.checkpoint_io import CheckpointError
+
+    cfg = config.model_copy(deep=True)
+    torch.manual_seed(cfg.grpo.seed)
+    torch.set_num_threads(cfg.policy.torch_threads)
+    ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
+    try:
+        ckpt.preflight(resume) if ckpt else None
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    resources: list[Any] = []
+
+    def free() -> None:
+        while resources:
+            try:
+                resources.pop()()
+            except Exception as e:
+                print(f"[nemo_like] cleanup: {e!r}")
+
+    try:
+        if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
+            resources.append(lambda: shutdown_ray_if_started(True))
+        need = cfg.env.num_collectors * cfg.env.cpus_per_collector
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if need > have:  # the collectors would wait forever for CPUs
+            raise ConfigError(f"env.num_collectors={cfg.env.num_collectors} x env.cpus_per_collector="
+                              f"{cfg.env.cpus_per_collector} needs {need:g} CPUs; the Ray cluster has {have:g} "
+                              "(lower one of them, e.g. env.cpus_per_collector=0.5)")
+        collectors = CollectorGroup(cfg.env.id, cfg.env.kwargs, cfg.env.max_episode_steps, cfg.policy,
+                                    cfg.env.num_collectors, cfg.env.cpus_per_collector, seed=cfg.grpo.seed)
+        resources.append(collectors.close)
+        net = build_network(collectors.spec, cfg.policy, seed=cfg.grpo.seed)
+        options = cfg.loss_options()
+        ref_net = None
+        if float(options.get("ref_kl_coef", options.get("reference_policy_kl_penalty", 0.0)) or 0.0) > 0:
+            ref_net = copy.deepcopy(net).requires_grad_(False)
+        optimizer = torch.optim.Adam(net.parameters(), lr=cfg.policy.learning_rate, eps=cfg.policy.adam_eps)
+        logger = Logger(cfg.logger)
+        resources.append(logger.close)
+        logger.log_hyperparams(cfg)
+    except BaseException:
+        free()
+        raise
+    trainer = GymGRPOTrainer(config=cfg, collectors=collectors, net=net, optimizer=optimizer,
+                             loss_fn=get_loss_fn(cfg.loss_fn["name"], options), logger=logger, checkpointer=ckpt,
+                             ref_net=ref_net, _resources=resources)
+    try:  # checkpoint_dir is locked until trainer.close()
+        latest = ckpt.open_for_run(resume) if ckpt else None
+        if latest is not None:
+            trainer.load_checkpoint(latest)
+            trainer.history = logger.keep_steps_up_to(trainer.step_count)
+            print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")
+        else:
+            logger.set_aside_previous_rows()
+    except BaseException as e:
+        trainer.close()
+        if isinstance(e, CheckpointError):
+            raise ConfigError(str(e)) from None
+        raise
+    return trainer

@@ -1,0 +1,306 @@
+"""Trajectory collectors: Ray actors that run step-environment episodes with the latest policy weights.
+
+The driver's :class:`CollectorGroup` pushes the weights after every update (the same refit idea as
+the LLM rollout workers: one ``ray.put`` of the state dict, ``set_weights(ref, version)`` on every
+collector) and sends each collector whole groups: a job is ``count`` episodes from one reset seed.
+A collector runs all the episodes of its jobs in lockstep, one batched forward per step, and refuses
+a job whose expected policy version is not the one it holds (so a sample is never generated with
+stale weights by mistake). Episodes whose environment raised, returned a non-finite reward or a
+malformed observation come back ``failed`` (and the environment instance is replaced), so a buggy
+simulator costs an episode, not the run. A collector that dies (killed, crashed) is restarted by
+Ray; the group sends it the weights again and repeats its jobs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_like.environments.step_environment import ObsSpec, make_step_env
+from nemo_like.models.agent import AgentPolicyConfig, build_network, obs_to_tensor
+
+__all__ = ["CollectorGroup", "StaleWeightsError", "Trajectory", "TrajectoryCollector"]
+
+# A registered environment with no time limit of its own still ends: at this many steps (truncated).
+DEFAULT_STEP_CAP = 10_000
+
+
+class StaleWeightsError(RuntimeError):
+    """A collector was asked to act with a policy version it does not hold."""
+
+
+@dataclass
+class Trajectory:
+    """One episode. ``obs`` is ``[T, ...]`` (or a dict of such arrays); ``logprobs`` are the behaviour
+    policy's log-probs of ``actions``; ``failed`` holds the error when the environment broke."""
+
+    group_id: int
+    seed: int
+    obs: Any
+    actions: np.ndarray
+    logprobs: np.ndarray
+    rewards: np.ndarray
+    terminated: bool = False
+    truncated: bool = False
+    policy_version: int = -1
+    failed: str | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def ret(self) -> float:
+        return float(self.rewards.sum())
+
+
+@dataclass
+class _Episode:
+    job: int
+    group_id: int
+    seed: int
+    env_slot: int
+    obs: list = field(default_factory=list)
+    actions: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    rewards: list = field(default_factory=list)
+    current: Any = None
+    done: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    failed: str | None = None
+
+
+def _shape(obs: Any) -> Any:
+    if isinstance(obs, dict):
+        return {k: np.shape(v) for k, v in sorted(obs.items())}
+    return np.shape(obs)
+
+
+def _expected_shape(spec: ObsSpec) -> Any:
+    if spec.image_shape is not None and spec.vector_dim:
+        return {"image": tuple(spec.image_shape), "vector": (spec.vector_dim,)}
+    return tuple(spec.image_shape) if spec.image_shape is not None else (spec.vector_dim,)
+
+
+def _stack(values: list) -> Any:
+    if values and isinstance(values[0], dict):
+        return {k: np.stack([np.asarray(v[k], dtype=np.float32) for v in values]) for k in values[0]}
+    return np.stack([np.asarray(v, dtype=np.float32) for v in values]) if values else np.zeros((0,), np.float32)
+
+
+class TrajectoryCollector:
+    """Runs episodes of one environment (``env_id``) with its own copy of the policy network."""
+
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any], max_episode_steps: int | None,
+                 policy_config: dict[str, Any], seed: int = 0) -> None:
+        self.env_id, self.env_kwargs, self.max_episode_steps = env_id, dict(env_kwargs), max_episode_steps
+        self.policy_config = AgentPolicyConfig.model_validate(policy_config)
+        torch.set_num_threads(self.policy_config.torch_threads)
+        self._envs = [self._make_env()]
+        self._spec = self._envs[0].spec()
+        self._expected = _expected_shape(self._spec)
+        self.net = build_network(self._spec, self.policy_config, seed=seed)
+        self.net.eval()
+        self._version = -1  # no weights pushed yet: every job is refused until they are
+
+    def _make_env(self) -> Any:
+        return make_step_env(self.env_id, max_episode_steps=self.max_episode_steps, **self.env_kwargs)
+
+    def spec(self) -> ObsSpec:
+        return self._spec
+
+    def version(self) -> int:
+        return self._version
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        self.net.load_state_dict(state_dict, strict=True)
+        self._version = int(version)
+        return self._version
+
+    def _replace_env(self, slot: int) -> None:
+        try:
+            self._envs[slot].close()
+        except Exception:  # a broken environment may fail to close too; it is dropped either way
+            pass
+        self._envs[slot] = self._make_env()
+
+    def _fail(self, ep: _Episode, what: str) -> None:
+        ep.failed, ep.done = what, True
+        self._replace_env(ep.env_slot)
+
+    def _check_obs(self, ep: _Episode, obs: Any, where: str) -> bool:
+        if _shape(obs) != self._expected:
+            self._fail(ep, f"{where} returned an observation of shape {_shape(obs)}, expected {self._expected}")
+            return False
+        # A copy: an environment may hand out one buffer and change it in place on the next step.
+        ep.current = ({k: np.array(v, dtype=np.float32) for k, v in obs.items()} if isinstance(obs, dict)
+                      else np.array(obs, dtype=np.float32))
+        return True
+
+    def collect(self, jobs: list[dict[str, int]], expected_version: int, greedy: bool = False) -> list[Trajectory]:
+        """``jobs``: ``{"group_id", "seed", "count", "sample_seed"}``; returns ``count`` trajectories
+        per job, in job order. Sampling is seeded per job, so a job's episodes do not depend on which
+        collector runs it or what else it runs."""
+        if self._version != expected_version:
+            raise StaleWeightsError(f"collector holds policy version {self._version}, "
+                                    f"the learner expects {expected_version}")
+        episodes: list[_Episode] = []
+        generators = []
+        for j, job in enumerate(jobs):
+            generators.append(torch.Generator().manual_seed(int(job["sample_seed"])))
+            for _ in range(int(job["count"])):
+                episodes.append(_Episode(j, int(job["group_id"]), int(job["seed"]), len(episodes)))
+        while len(self._envs) < len(episodes):
+            self._envs.append(self._make_env())
+        for ep in episodes:
+            try:
+                obs = self._envs[ep.env_slot].reset(ep.seed)
+            except Exception as e:  # noqa: BLE001 - a broken environment costs this episode only
+                self._fail(ep, f"reset(seed={ep.seed}) raised {type(e).__name__}: {e}")
+                continue
+            self._check_obs(ep, obs, "reset")
+        cap = self.max_episode_steps or DEFAULT_STEP_CAP
+        while True:
+            live = [ep for ep in episodes if not ep.done]
+            if not live:
+                break
+            with torch.no_grad():
+                logits, _ = self.net(obs_to_tensor([ep.current for ep in live]))
+                logp_all = torch.log_softmax(logits.float(), dim=-1)
+            if greedy:
+                actions = logp_all.argmax(dim=-1)
+            else:
+                actions = torch.empty(len(live), dtype=torch.long)
+                by_job: dict[int, list[int]] = {}
+                for i, ep in enumerate(live):
+                    by_job.setdefault(ep.job, []).append(i)
+                for j, rows in by_job.items():
+                    idx = torch.tensor(rows)
+                    actions[idx] = torch.multinomial(logp_all[idx].exp(), 1, generator=generators[j]).squeeze(-1)
+            chosen = logp_all.gather(-1, actions[:, None]).squeeze(-1)
+            for i, ep in enumerate(live):
+                a = int(actions[i])
+                prev = ep.current
+                try:
+                    obs, reward, terminated, truncated, _ = self._envs[ep.env_slot].step(a)
+                    reward = float(reward)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(ep, f"step({a}) raised {type(e).__name__}: {e}")
+                    continue
+                if not math.isfinite(reward):
+                    self._fail(ep, f"step({a}) returned a non-finite reward {reward}")
+                    continue
+                ep.obs.append(prev)
+                ep.actions.append(a)
+                ep.logprobs.append(float(chosen[i]))
+                ep.rewards.append(reward)
+                if not self._check_obs(ep, obs, f"step({a})"):
+                    continue
+                ep.terminated, ep.truncated = bool(terminated), bool(truncated) or len(ep.actions) >= cap
+                ep.done = ep.terminated or ep.truncated
+        return [Trajectory(group_id=ep.group_id, seed=ep.seed, obs=_stack(ep.obs),
+                           actions=np.asarray(ep.actions, dtype=np.int64),
+                           logprobs=np.asarray(ep.logprobs, dtype=np.float32),
+                           rewards=np.asarray(ep.rewards, dtype=np.float32),
+                           terminated=ep.terminated, truncated=ep.truncated, policy_version=self._version,
+                           failed=ep.failed) for ep in episodes]
+
+
+class CollectorGroup:
+    """``num_collectors`` restartable :class:`TrajectoryCollector` actors, driven from the learner."""
+
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any], max_episode_steps: int | None,
+                 policy_config: AgentPolicyConfig, num_collectors: int, cpus_per_collector: float = 1.0,
+                 seed: int = 0, max_retries: int = 3) -> None:
+        import ray
+
+        self._ray = ray
+        actor_cls = ray.remote(TrajectoryCollector).options(
+            num_cpus=cpus_per_collector, max_restarts=-1, max_task_retries=0)
+        self.actors = [actor_cls.remote(env_id, env_kwargs, max_episode_steps, policy_config.model_dump(), seed)
+                       for _ in range(num_collectors)]
+        self.max_retries = max_retries
+        self.restarts = 0
+        self.version = -1
+        self._weights_ref: Any = None
+        self.spec: ObsSpec = ray.get(self.actors[0].spec.remote())
+
+    def push_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Send the weights to every collector; returns the bytes sent once (the object store
+        shares one copy between the collectors of a node)."""
+        cpu = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
+        self._weights_ref = self._ray.put(cpu)
+        self.version = int(version)
+        self._ray.get([a.set_weights.remote(self._weights_ref, self.version) for a in self.actors])
+        return float(sum(v.numel() * v.element_size() for v in cpu.values()))
+
+    def collect(self, jobs: list[dict[str, int]], greedy: bool = False) -> list[Trajectory]:
+        """Runs ``jobs`` spread over the collectors (whole jobs, balanced by episode count) and
+        returns their trajectories in job order. A collector that died is restarted by Ray, sent the
+        weights again and given its jobs again, up to ``max_retries`` times per call."""
+        ray = self._ray
+        shares: list[list[int]] = [[] for _ in self.actors]
+        load = [0] * len(self.actors)
+        for j in sorted(range(len(jobs)), key=lambda j: -int(jobs[j]["count"])):
+            k = load.index(min(load))
+            shares[k].append(j)
+            load[k] += int(jobs[j]["count"])
+        results: dict[int, list[Trajectory]] = {}
+        pending = {k: share for k, share in enumerate(shares) if share}
+        attempts = 0
+        while pending:
+            futures = {k: self.actors[k].collect.remote([jobs[j] for j in share], self.version, greedy)
+                       for k, share in pending.items()}
+            failed: dict[int, list[int]] = {}
+            errors = []
+            for k, fut in futures.items():
+                try:
+                    results[k] = ray.get(fut)
+                except (ray.exceptions.RayActorError, StaleWeightsError) as e:
+                    failed[k] = pending[k]
+                    errors.append(f"collector {k}: {type(e).__name__}")
+            if not failed:
+                break
+            attempts += 1
+            if attempts > self.max_retries:
+                raise RuntimeError(f"collectors kept failing after {self.max_retries} retries: {'; '.join(errors)}")
+            for k in failed:
+                self.restarts += 1
+                self._resend_weights(k)
+            pending = failed
+        out: list[Trajectory | None] = [None] * sum(int(j["count"]) for j in jobs)
+        starts = np.cumsum([0] + [int(j["count"]) for j in jobs])
+        for k, share in enumerate(shares):
+            if not share:
+                continue
+            trajs = iter(results[k])
+            for j in share:
+                for n in range(int(jobs[j]["count"])):
+                    out[starts[j] + n] = next(trajs)
+        return out  # type: ignore[return-value]
+
+    def _resend_weights(self, k: int, timeout_s: float = 120.0) -> None:
+        """The collector is restarted by Ray (a call on it waits for that); it has no weights yet."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._ray.get(self.actors[k].set_weights.remote(self._weights_ref, self.version))
+                return
+            except self._ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        for a in self.actors:
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []

@@ -1,0 +1,134 @@
+"""Typed config of trajectory-level GRPO on step environments (``examples/configs/grpo_cartpole.yaml``).
+
+Same rules as the language-model config (nemo_like.config): YAML with ``defaults:``, ``key=value``
+overrides, unknown keys refused with a did-you-mean, everything checked before Ray starts (the
+environment id, the advantage estimator, the loss and its options, the network name).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.loss_functions import get_loss_fn
+from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_defaults
+from nemo_like.environments.step_environment import check_step_env_name
+from nemo_like.models.agent import AgentPolicyConfig
+from nemo_like.utils.checkpoint import CheckpointingConfig
+from nemo_like.utils.logger import LoggerConfig
+
+__all__ = ["GymMasterConfig", "load_gym_config", "validate_gym_config"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _known(name: str, check: Any) -> str:
+    try:
+        check(name)
+    except KeyError as e:
+        raise ValueError(e.args[0] if e.args else str(e)) from None
+    return name
+
+
+class StepEnvConfig(_Strict):
+    id: str = "CartPole-v1"  # a registered step environment or a gymnasium id
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the environment's constructor
+    max_episode_steps: int | None = Field(None, ge=1)  # None: the environment's own limit
+    min_trajectory_length: int = Field(1, ge=1)  # shorter trajectories are dropped before grouping
+    num_collectors: int = Field(2, ge=1)
+    cpus_per_collector: float = Field(1.0, gt=0)
+
+    @field_validator("id")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return _known(value, check_step_env_name)
+
+
+class TrajectoryGRPOConfig(_Strict):
+    group_size: int = Field(8, ge=2)  # K trajectories from one reset seed
+    num_groups_per_step: int = Field(8, ge=1)
+    advantage: str = "mean_std"  # any registered advantage estimator ("mean", "mean_std", "rloo", ...)
+    adv_eps: float = Field(1e-6, ge=0)
+    update_epochs: int = Field(2, ge=1)
+    num_minibatches: int = Field(1, ge=1)  # optimizer steps per epoch (groups are split, never a trajectory)
+    ref_sync_every: int = Field(10, ge=1)  # refresh the frozen reference every N updates (if ref_kl_coef > 0)
+    max_refill_rounds: int = Field(2, ge=0)  # extra rounds to complete groups that lost trajectories
+    max_num_steps: int = Field(200, ge=1)
+    val_period: int = Field(5, ge=0)  # 0: validate only at start and end
+    val_episodes: int = Field(20, ge=1)  # greedy episodes on held-out seeds
+    val_at_start: bool = True
+    val_at_end: bool = True
+    target_val_return: float | None = None  # stop once val/return_mean reaches this
+    max_empty_steps: int = Field(5, ge=1)  # consecutive steps without a complete group: the run stops
+    seed: int = 42
+
+    @field_validator("advantage")
+    @classmethod
+    def _estimator(cls, value: str) -> str:
+        return _known(value, get_advantage_estimator)
+
+
+class GymClusterConfig(_Strict):
+    address: str | None = None
+    num_cpus: int | None = Field(None, ge=1)
+
+
+class GymMasterConfig(_Strict):
+    env: StepEnvConfig = Field(default_factory=StepEnvConfig)
+    policy: AgentPolicyConfig = Field(default_factory=AgentPolicyConfig)
+    grpo: TrajectoryGRPOConfig = Field(default_factory=TrajectoryGRPOConfig)
+    # {name: <registered loss>, ...its options}; trajectory_pg takes ent_coef and ref_kl_coef.
+    loss_fn: dict[str, Any] = Field(default_factory=lambda: {"name": "trajectory_pg"})
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=lambda: CheckpointingConfig(metric_name="val/return_mean"))
+    cluster: GymClusterConfig = Field(default_factory=GymClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpoint_metric(cls, data: Any) -> Any:
+        # The language-model default ranks checkpoints by val/accuracy, which an agent run never logs.
+        if isinstance(data, dict) and isinstance(data.get("checkpointing"), dict):
+            data["checkpointing"].setdefault("metric_name", "val/return_mean")
+        return data
+
+    @field_validator("loss_fn")
+    @classmethod
+    def _loss(cls, value: dict[str, Any]) -> dict[str, Any]:
+        value = dict(value)
+        name = value.setdefault("name", "trajectory_pg")
+        options = {k: v for k, v in value.items() if k != "name"}
+        try:
+            get_loss_fn(name, options)
+        except KeyError as e:
+            raise ValueError(f"name: {e.args[0] if e.args else e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _checks(self) -> GymMasterConfig:
+        if self.grpo.num_minibatches > self.grpo.num_groups_per_step:
+            raise ValueError(f"grpo.num_minibatches ({self.grpo.num_minibatches}) is more than "
+                             f"grpo.num_groups_per_step ({self.grpo.num_groups_per_step}): a minibatch is whole groups")
+        return self
+
+    def loss_options(self) -> dict[str, Any]:
+        return {k: v for k, v in self.loss_fn.items() if k != "name"}
+
+
+def validate_gym_config(cfg: dict) -> GymMasterConfig:
+    try:
+        return GymMasterConfig.model_validate(cfg)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {format_validation_error(e)}") from None
+
+
+def load_gym_config(path: str | Path, overrides: list[str] | None = None) -> GymMasterConfig:
+    raw = load_yaml_with_defaults(path)
+    return validate_gym_config(apply_overrides(raw, list(overrides or []), schema=GymMasterConfig))
