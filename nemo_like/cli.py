@@ -7,18 +7,21 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
+from nemo_like.gym_config import GymMasterConfig
 
 
-def run_cli(argv: list[str], default_config: str | Path, run: Callable[[MasterConfig], int | None]) -> int:
+def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], int | None],
+            loader: Callable[[str, list[str]], Any] = load_config) -> int:
     from nemo_like.data.datasets import DataError
     from nemo_like.environments.supervision import EnvironmentFailureError, EnvironmentStartError
     from nemo_like.utils.checkpoint import CheckpointError
 
     try:
         path, overrides = parse_cli(argv, default_config)
-        config = load_config(path, overrides)
+        config = loader(path, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -55,4 +58,33 @@ def run_grpo(config: MasterConfig) -> int:
             where = f"; checkpoint in {config.checkpointing.checkpoint_dir}" if config.checkpointing.enabled else ""
             print(f"error: stopped: {exp.stop_reason}{where}", file=sys.stderr)
             return 3
+    return 0
+
+
+def run_grpo_gym(config: GymMasterConfig) -> int:
+    """The gym GRPO CLI: train until grpo.max_num_steps or grpo.target_val_return, then a summary of
+    the greedy held-out return before and after, and the curves as a PNG. A run that cannot learn
+    (no complete group for grpo.max_empty_steps updates) exits with code 1, saying why."""
+    import time
+
+    from nemo_like.gym_experiment import GymGRPOExperiment
+
+    t0 = time.perf_counter()
+    with GymGRPOExperiment(config) as exp:
+        exp.train()
+        png = exp.save_plot()
+        tr = exp.trainer
+        val = exp.returns()
+        target = config.grpo.target_val_return
+        first = f"{tr.first_val_return:.1f}" if tr.first_val_return is not None else "n/a"
+        last = f"{val[-1]:.1f}" if len(val) else "n/a"
+        reached = "" if target is None else (f"; target {target:g} reached" if tr.reached_target
+                                             else f"; target {target:g} NOT reached")
+        print(f"[nemo_like] {config.env.id}: greedy val/return_mean {first} -> {last} over "
+              f"{config.grpo.val_episodes} held-out seeds{reached}")
+        print(f"[nemo_like] {exp.step_count} updates, {tr.env_steps} environment steps, wall time "
+              f"{time.perf_counter() - t0:.0f} s; metrics: {Path(config.logger.log_dir) / 'metrics.jsonl'}; curves: {png}")
+        if exp.stop_reason:
+            print(f"error: stopped: {exp.stop_reason}", file=sys.stderr)
+            return 1
     return 0

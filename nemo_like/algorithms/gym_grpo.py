@@ -213,6 +213,9 @@ class GymGRPOTrainer:
                 out["reference_policy_logprobs"] = batch.pad(policy_logprobs(self.ref_net, batch.obs, batch.actions)[0])
             if self.config.loss_fn["name"] != "trajectory_pg":
                 out["prev_logprobs"] = batch.pad(policy_logprobs(self.net, batch.obs, batch.actions)[0])
+                # A loss that always reads a reference (clipped_pg) gets the weights themselves when
+                # no KL term is configured: its KL is then 0.
+                out.setdefault("reference_policy_logprobs", out["prev_logprobs"])
         return out
 
     def _train(self, batch: _Batch, adv: torch.Tensor, fixed: dict[str, torch.Tensor], n_groups: int) -> dict[str, float]:
@@ -359,6 +362,8 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
     from nemo_like.algorithms.loss_functions import get_loss_fn
     from nemo_like.config import ConfigError
     from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+    from nemo_like.environments.step_environment import make_step_env
+    from nemo_like.environments.supervision import EnvironmentStartError
     from nemo_like.utils.checkpoint_io import CheckpointError
 
     cfg = config.model_copy(deep=True)
@@ -369,6 +374,19 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
         ckpt.preflight(resume) if ckpt else None
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    # One instance here, before Ray starts: the observation kind is known only from the environment,
+    # and a network that does not fit it (or an environment that does not build) fails in a second.
+    try:
+        probe = make_step_env(cfg.env.id, max_episode_steps=cfg.env.max_episode_steps, **cfg.env.kwargs)
+        spec = probe.spec()
+        probe.close()
+    except Exception as e:
+        raise EnvironmentStartError(f"step environment {cfg.env.id!r} (env.kwargs={cfg.env.kwargs}) did not "
+                                    f"start: {type(e).__name__}: {e}") from None
+    try:
+        net = build_network(spec, cfg.policy, seed=cfg.grpo.seed)
+    except ValueError as e:
+        raise ConfigError(f"policy.network={cfg.policy.network!r} for {cfg.env.id!r}: {e}") from None
     resources: list[Any] = []
 
     def free() -> None:
@@ -390,7 +408,6 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
         collectors = CollectorGroup(cfg.env.id, cfg.env.kwargs, cfg.env.max_episode_steps, cfg.policy,
                                     cfg.env.num_collectors, cfg.env.cpus_per_collector, seed=cfg.grpo.seed)
         resources.append(collectors.close)
-        net = build_network(collectors.spec, cfg.policy, seed=cfg.grpo.seed)
         options = cfg.loss_options()
         ref_net = None
         if float(options.get("ref_kl_coef", options.get("reference_policy_kl_penalty", 0.0)) or 0.0) > 0:

@@ -18,7 +18,9 @@ Collectors (nemo_like.experience.step_collector) run these inside Ray actors.
 from __future__ import annotations
 
 import difflib
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ import numpy as np
 from nemo_like.utils.registry import Registry
 
 __all__ = ["GymnasiumEnvironment", "ObsSpec", "STEP_ENV_REGISTRY", "StepEnvironment", "check_step_env_name",
-           "make_step_env", "register_step_env"]
+           "make_step_env", "register_step_env", "step_env_factory"]
 
 
 @dataclass(frozen=True)
@@ -188,11 +190,21 @@ def check_step_env_name(name: str) -> None:
                    f"register_step_env({name!r}, MyEnv) or use a gymnasium id; registered: {known}")
 
 
-def make_step_env(name: str, max_episode_steps: int | None = None, **kwargs: Any) -> StepEnvironment:
-    """A fresh instance of the environment ``name`` (registered, else a gymnasium id)."""
+def step_env_factory(name: str) -> Callable[..., StepEnvironment]:
+    """What builds the environment ``name``: the registered class (or factory), else a gymnasium
+    wrapper. Resolved in the driver and sent to the collector actors as an object, so a class
+    registered in a notebook or a script works there too (a fresh actor process has only the
+    built-in registrations)."""
     if name in STEP_ENV_REGISTRY:
-        factory = STEP_ENV_REGISTRY.get(name)
-        extra = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
-        return factory(**extra, **kwargs)
+        return STEP_ENV_REGISTRY.get(name)
     check_step_env_name(name)
-    return GymnasiumEnvironment(name, max_episode_steps=max_episode_steps, **kwargs)
+    return functools.partial(GymnasiumEnvironment, name)
+
+
+def make_step_env(name: str | Callable[..., StepEnvironment], max_episode_steps: int | None = None,
+                  **kwargs: Any) -> StepEnvironment:
+    """A fresh instance of the environment ``name`` (registered, else a gymnasium id), or of what
+    :func:`step_env_factory` returned."""
+    factory = step_env_factory(name) if isinstance(name, str) else name
+    extra = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
+    return factory(**extra, **kwargs)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_like.environments.step_environment import ObsSpec, make_step_env
+from nemo_like.environments.step_environment import ObsSpec, make_step_env, step_env_factory
+from nemo_like.environments.supervision import EnvironmentStartError, first_line_of_error
 from nemo_like.models.agent import AgentPolicyConfig, build_network, obs_to_tensor
 
 __all__ = ["CollectorGroup", "StaleWeightsError", "Trajectory", "TrajectoryCollector"]
@@ -95,11 +96,12 @@ def _stack(values: list) -> Any:
 
 
 class TrajectoryCollector:
-    """Runs episodes of one environment (``env_id``) with its own copy of the policy network."""
+    """Runs episodes of one environment with its own copy of the policy network. ``env_factory`` is
+    what :func:`step_env_factory` returns (a class or a callable)."""
 
-    def __init__(self, env_id: str, env_kwargs: dict[str, Any], max_episode_steps: int | None,
+    def __init__(self, env_factory: Any, env_kwargs: dict[str, Any], max_episode_steps: int | None,
                  policy_config: dict[str, Any], seed: int = 0) -> None:
-        self.env_id, self.env_kwargs, self.max_episode_steps = env_id, dict(env_kwargs), max_episode_steps
+        self.env_factory, self.env_kwargs, self.max_episode_steps = env_factory, dict(env_kwargs), max_episode_steps
         self.policy_config = AgentPolicyConfig.model_validate(policy_config)
         torch.set_num_threads(self.policy_config.torch_threads)
         self._envs = [self._make_env()]
@@ -110,7 +112,7 @@ class TrajectoryCollector:
         self._version = -1  # no weights pushed yet: every job is refused until they are
 
     def _make_env(self) -> Any:
-        return make_step_env(self.env_id, max_episode_steps=self.max_episode_steps, **self.env_kwargs)
+        return make_step_env(self.env_factory, max_episode_steps=self.max_episode_steps, **self.env_kwargs)
 
     def spec(self) -> ObsSpec:
         return self._spec
@@ -223,13 +225,19 @@ class CollectorGroup:
         self._ray = ray
         actor_cls = ray.remote(TrajectoryCollector).options(
             num_cpus=cpus_per_collector, max_restarts=-1, max_task_retries=0)
-        self.actors = [actor_cls.remote(env_id, env_kwargs, max_episode_steps, policy_config.model_dump(), seed)
+        factory = step_env_factory(env_id)
+        self.actors = [actor_cls.remote(factory, env_kwargs, max_episode_steps, policy_config.model_dump(), seed)
                        for _ in range(num_collectors)]
         self.max_retries = max_retries
         self.restarts = 0
         self.version = -1
         self._weights_ref: Any = None
-        self.spec: ObsSpec = ray.get(self.actors[0].spec.remote())
+        try:  # a constructor that raised (a bad kwarg, a broken simulator) fails the run now, naming it
+            self.spec: ObsSpec = ray.get(self.actors[0].spec.remote())
+        except ray.exceptions.RayActorError as e:
+            self.close()
+            raise EnvironmentStartError(f"step environment {env_id!r} (env.kwargs={dict(env_kwargs)}) did not start: "
+                                        f"{first_line_of_error(e)}") from None
 
     def push_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Send the weights to every collector; returns the bytes sent once (the object store

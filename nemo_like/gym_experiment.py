@@ -1,0 +1,189 @@
+"""`GymGRPOExperiment`: trajectory-level GRPO on a step environment, driven from a notebook.
+
+    exp = GymGRPOExperiment.from_config("examples/configs/grpo_cartpole.yaml", overrides=["grpo.group_size=16"])
+    exp.validate(); exp.train(steps=20); exp.step()
+    exp.metrics; exp.plot(["train/return_mean", "val/return_mean"]); exp.rollout(seed=3)
+    exp.save(); exp2 = GymGRPOExperiment.resume(exp.checkpoint_dir)
+    exp.close()   # or `with GymGRPOExperiment(...) as exp:`
+
+The same shape as `GRPOExperiment` for language models: it wraps the `GymGRPOTrainer` the CLI uses,
+keeps Ray and the collector actors alive between calls and frees them on `close()`. Building a new
+experiment closes any gym experiment still open in this process first (re-running a notebook cell
+neither leaks actors nor waits for the CPUs the old collectors hold).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_like.algorithms.gym_grpo import GymGRPOTrainer, gym_grpo_train, setup_gym
+from nemo_like.config import apply_overrides
+from nemo_like.gym_config import GymMasterConfig, load_gym_config, validate_gym_config
+from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.plotting import plot_metrics, save_training_curves
+
+__all__ = ["GymGRPOExperiment", "GYM_CURVES"]
+
+GYM_CURVES = ("train/return_mean", "val/return_mean", "train/episode_length_mean")
+_OPEN: list[weakref.ref] = []
+
+
+def _to_config(config: GymMasterConfig | str | Path | dict, overrides: Sequence[str] | None) -> GymMasterConfig:
+    overrides = list(overrides or [])
+    if isinstance(config, (str, Path)):
+        return load_gym_config(config, overrides)
+    if isinstance(config, GymMasterConfig):
+        if not overrides:
+            return config.model_copy(deep=True)
+        config = config.model_dump(mode="json")
+    if isinstance(config, dict):
+        return validate_gym_config(apply_overrides(dict(config), overrides, schema=GymMasterConfig))
+    raise TypeError(f"config must be a YAML path, a dict or a GymMasterConfig, got {type(config).__name__}")
+
+
+class GymGRPOExperiment:
+    """A live trajectory-level GRPO run: Ray and the collector actors stay up between calls."""
+
+    def __init__(self, config: GymMasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
+                 resume: bool = True) -> None:
+        cfg = _to_config(config, overrides)
+        for ref in list(_OPEN):
+            old = ref()
+            if old is not None and not old.closed:
+                print("[nemo_like] closing the previous gym experiment first (one live experiment per process)")
+                old.close()
+        _OPEN[:] = [r for r in _OPEN if r() is not None and not r().closed]
+        self.closed = False
+        self.trainer: GymGRPOTrainer = setup_gym(cfg, resume=resume)
+        _OPEN.append(weakref.ref(self))
+
+    @classmethod
+    def from_config(cls, path: str | Path, overrides: Sequence[str] | None = None, **kwargs: Any) -> GymGRPOExperiment:
+        return cls(path, overrides, **kwargs)
+
+    @classmethod
+    def resume(cls, checkpoint_dir: str | Path, overrides: Sequence[str] | None = None) -> GymGRPOExperiment:
+        """Continue the run in ``checkpoint_dir`` from its latest checkpoint, with the config it was
+        saved with (plus ``overrides``, e.g. a larger ``grpo.max_num_steps``)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        latest = CheckpointManager({"checkpoint_dir": str(checkpoint_dir)}, cleanup_stale=False).get_latest_checkpoint_path()
+        if latest is None or not (latest / "run_config.json").exists():
+            raise FileNotFoundError(f"{checkpoint_dir} holds no complete checkpoint with a run_config.json to resume")
+        saved = json.loads((latest / "run_config.json").read_text())
+        saved["checkpointing"]["checkpoint_dir"] = str(checkpoint_dir)
+        return cls(saved, overrides, resume=True)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """One update (collect groups, train); its metrics, validation included on ``val_period``."""
+        self._check_open()
+        return self.trainer.step()
+
+    def train(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Until ``grpo.max_num_steps`` (or ``steps`` more updates), the target return or a stop."""
+        self._check_open()
+        return gym_grpo_train(self.trainer, max_steps=steps)
+
+    def validate(self) -> dict[str, float]:
+        """Greedy episodes on the held-out seeds now (logged at the current step)."""
+        self._check_open()
+        return self.trainer.validate(log=True)
+
+    @torch.no_grad()
+    def act(self, observations: Sequence[Any], greedy: bool = True) -> list[int]:
+        """The policy's actions for a list of observations (as the environment returns them)."""
+        from nemo_like.models.agent import obs_to_tensor
+
+        logits, _ = self.trainer.net(obs_to_tensor(list(observations)))
+        if greedy:
+            return logits.argmax(-1).tolist()
+        return torch.distributions.Categorical(logits=logits).sample().tolist()
+
+    def rollout(self, seed: int = 0, greedy: bool = True) -> dict[str, Any]:
+        """One episode from ``seed`` on a collector with the current weights: return, length, actions,
+        rewards (for a look at what the agent does)."""
+        self._check_open()
+        tr = self.trainer
+        if tr.collectors.version != tr.step_count:
+            tr.collectors.push_weights(tr.net.state_dict(), tr.step_count)
+        (t,) = tr.collectors.collect([{"group_id": 0, "seed": int(seed), "count": 1, "sample_seed": int(seed)}],
+                                     greedy=greedy)
+        return {"return": t.ret, "length": t.length, "actions": t.actions.tolist(),
+                "rewards": t.rewards.tolist(), "terminated": t.terminated, "truncated": t.truncated,
+                "failed": t.failed}
+
+    # ---- looking at the run ------------------------------------------------------------------------
+    @property
+    def config(self) -> GymMasterConfig:
+        return self.trainer.config
+
+    @property
+    def step_count(self) -> int:
+        return self.trainer.step_count
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run cannot learn (no complete group for grpo.max_empty_steps updates), or None."""
+        return self.trainer.stop_reason
+
+    @property
+    def reached_target(self) -> bool:
+        return self.trainer.reached_target
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.config.checkpointing.checkpoint_dir
+
+    @property
+    def metrics(self):
+        """Every logged step as a pandas DataFrame (one row per step, NaN where not logged)."""
+        import pandas as pd
+
+        df = pd.DataFrame(self.trainer.history)
+        if df.empty:
+            return df
+        df = df.groupby("step", as_index=False).last()  # validation rows merge with their step's row
+        return df.set_index("step", drop=False)
+
+    def plot(self, keys: Sequence[str] | str = GYM_CURVES):
+        return plot_metrics(self.trainer.history, [keys] if isinstance(keys, str) else list(keys))
+
+    def save_plot(self, path: str | Path | None = None) -> Path:
+        return save_training_curves(self.trainer.history, path or Path(self.config.logger.log_dir) / "curves.png",
+                                    GYM_CURVES)
+
+    def save(self) -> Path:
+        """Write a checkpoint now (network, optimizer, reference, step); returns its folder."""
+        self._check_open()
+        if self.trainer.checkpointer is None:
+            raise RuntimeError("checkpointing is disabled (checkpointing.enabled=false)")
+        path = self.trainer.save_checkpoint(self.trainer.history[-1] if self.trainer.history else None)
+        assert path is not None
+        return path
+
+    def returns(self) -> np.ndarray:
+        """val/return_mean at every validation so far."""
+        return np.array([h["val/return_mean"] for h in self.trainer.history if "val/return_mean" in h])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.trainer.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this experiment is closed; build a new one (or GymGRPOExperiment.resume(...))")
+
+    def __enter__(self) -> GymGRPOExperiment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
