@@ -88,6 +88,8 @@ class TrajectoryPGLossFn:
             adv = adv[:, None]
         else:
             check_2d("data['advantages']", adv, curr_logprobs.shape)
+        # Off-mask advantages may be anything (a padded step, a masked-out sample): never NaN * 0.
+        adv = torch.where(mask != 0, adv.expand_as(curr_logprobs), torch.zeros((), dtype=adv.dtype))
         num_seqs, num_toks = num_valid_seqs(mask), float(mask.sum())
         # Padding may hold anything (even -inf): where() keeps it out of the sum and of the gradient.
         curr = torch.where(mask != 0, curr_logprobs, torch.zeros_like(curr_logprobs))
