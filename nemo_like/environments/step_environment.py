@@ -97,7 +97,9 @@ class GymnasiumEnvironment(StepEnvironment):
 
         extra = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
         self.env_id = env_id
-        self._env = gymnasium.make(env_id, **extra, **kwargs)
+        # The passive checker re-validates spaces on the first calls of every instance; the contract
+        # is checked here once, and by the collector on every observation.
+        self._env = gymnasium.make(env_id, disable_env_checker=True, **extra, **kwargs)
         act = self._env.action_space
         if not isinstance(act, gymnasium.spaces.Discrete):
             raise ValueError(f"step environment {env_id!r}: action space {act} is not Discrete "

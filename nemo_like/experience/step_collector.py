@@ -13,6 +13,7 @@ Ray; the group sends it the weights again and repeats its jobs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ __all__ = ["CollectorGroup", "StaleWeightsError", "Trajectory", "TrajectoryColle
 
 # A registered environment with no time limit of its own still ends: at this many steps (truncated).
 DEFAULT_STEP_CAP = 10_000
+_U_BLOCK = 64  # sampling uniforms are drawn per job this many steps at a time
 
 
 class StaleWeightsError(RuntimeError):
@@ -75,6 +77,7 @@ class _Episode:
     terminated: bool = False
     truncated: bool = False
     failed: str | None = None
+    member: int = 0  # index within its job
 
 
 def _shape(obs: Any) -> Any:
@@ -137,7 +140,7 @@ class TrajectoryCollector:
         self._replace_env(ep.env_slot)
 
     def _check_obs(self, ep: _Episode, obs: Any, where: str) -> bool:
-        if _shape(obs) != self._expected:
+        if (obs.shape if isinstance(obs, np.ndarray) else _shape(obs)) != self._expected:
             self._fail(ep, f"{where} returned an observation of shape {_shape(obs)}, expected {self._expected}")
             return False
         # A copy: an environment may hand out one buffer and change it in place on the next step.
@@ -153,11 +156,13 @@ class TrajectoryCollector:
             raise StaleWeightsError(f"collector holds policy version {self._version}, "
                                     f"the learner expects {expected_version}")
         episodes: list[_Episode] = []
-        generators = []
+        generators, sizes = [], []
         for j, job in enumerate(jobs):
             generators.append(torch.Generator().manual_seed(int(job["sample_seed"])))
-            for _ in range(int(job["count"])):
+            sizes.append(int(job["count"]))
+            for n in range(sizes[-1]):
                 episodes.append(_Episode(j, int(job["group_id"]), int(job["seed"]), len(episodes)))
+                episodes[-1].member = n
         while len(self._envs) < len(episodes):
             self._envs.append(self._make_env())
         for ep in episodes:
@@ -168,26 +173,28 @@ class TrajectoryCollector:
                 continue
             self._check_obs(ep, obs, "reset")
         cap = self.max_episode_steps or DEFAULT_STEP_CAP
-        while True:
+        uniforms: list[list[list[float]]] = []
+        for it in itertools.count():
             live = [ep for ep in episodes if not ep.done]
             if not live:
                 break
             with torch.no_grad():
                 logits, _ = self.net(obs_to_tensor([ep.current for ep in live]))
                 logp_all = torch.log_softmax(logits.float(), dim=-1)
-            if greedy:
-                actions = logp_all.argmax(dim=-1)
-            else:
-                actions = torch.empty(len(live), dtype=torch.long)
-                by_job: dict[int, list[int]] = {}
-                for i, ep in enumerate(live):
-                    by_job.setdefault(ep.job, []).append(i)
-                for j, rows in by_job.items():
-                    idx = torch.tensor(rows)
-                    actions[idx] = torch.multinomial(logp_all[idx].exp(), 1, generator=generators[j]).squeeze(-1)
-            chosen = logp_all.gather(-1, actions[:, None]).squeeze(-1)
-            for i, ep in enumerate(live):
-                a = int(actions[i])
+                if greedy:
+                    actions = logp_all.argmax(dim=-1)
+                else:
+                    # Inverse-CDF sampling from uniforms drawn per job in blocks of _U_BLOCK steps for
+                    # all of its episodes, live or not: what an episode draws depends on its job's seed
+                    # and the step only, and sampling costs one vector op per step, not a call per job.
+                    if it % _U_BLOCK == 0:
+                        uniforms = [torch.rand(n, _U_BLOCK, generator=g).tolist()
+                                    for n, g in zip(sizes, generators, strict=True)]
+                    u = torch.tensor([uniforms[ep.job][ep.member][it % _U_BLOCK] for ep in live])
+                    cdf = logp_all.exp().cumsum(dim=-1)
+                    actions = (u[:, None] > cdf).sum(dim=-1).clamp(max=logp_all.shape[-1] - 1)
+                chosen = logp_all.gather(-1, actions[:, None]).squeeze(-1).tolist()
+            for ep, a, lp in zip(live, actions.tolist(), chosen, strict=True):
                 prev = ep.current
                 try:
                     obs, reward, terminated, truncated, _ = self._envs[ep.env_slot].step(a)
@@ -200,7 +207,7 @@ class TrajectoryCollector:
                     continue
                 ep.obs.append(prev)
                 ep.actions.append(a)
-                ep.logprobs.append(float(chosen[i]))
+                ep.logprobs.append(lp)
                 ep.rewards.append(reward)
                 if not self._check_obs(ep, obs, f"step({a})"):
                     continue

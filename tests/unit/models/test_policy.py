@@ -199,3 +199,38 @@ def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir
     assert m2["loss"] == pytest.approx(m8["loss"], rel=1e-5) and m2["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-4)
     am = data["token_mask"].bool()
     assert torch.allclose(lp2[am], lp8[am], atol=1e-5)
+
+
+def test_the_trajectory_pg_loss_of_the_gym_side_trains_the_language_model(model_dir, ray_session):
+    """Registry losses cross sides: ``trajectory_pg`` (REINFORCE on whole sequences, made for step-
+    environment agents) trains the LM policy; micro-batches sum to the whole batch's update, and the
+    sequence log-likelihood moves with the sign of each advantage."""
+    from transformers import AutoTokenizer
+
+    from nemo_like.algorithms.loss_functions import get_loss_fn
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = _prompts(tok, ["1+1=2", "12+34=46", "3+4=7", "40+2=42", "5+5=10", "9+9=18", "2+2=4", "6+1=7"])
+    data["token_mask"] = (torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]).long()
+    data["sample_mask"] = torch.ones(8)
+    data["advantages"] = torch.tensor([1.0, -1.0] * 4)
+    one = RayVirtualCluster(1, cpus_per_worker=1, name="trajpg")
+    try:
+        results = []
+        for mbs in (8, 2):
+            p = Policy(one, _cfg(model_dir, optimizer={"lr": 1e-3}), seed=0, init_reference_model=False,
+                       name_prefix=f"trajpg{mbs}")
+            try:
+                before = p.get_logprobs(data)["logprobs"]
+                m = p.train(data, get_loss_fn("trajectory_pg", {}), micro_batch_size=mbs)
+                results.append((m, before, p.get_logprobs(data)["logprobs"]))
+            finally:
+                p.shutdown()
+    finally:
+        one.shutdown()
+    (m8, before, after8), (m2, _, after2) = results
+    assert m2["loss"] == pytest.approx(m8["loss"], rel=1e-5) and m2["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-4)
+    mask = data["token_mask"].float()
+    change = ((after8 - before) * mask).sum(-1)  # the change of each sequence's log-likelihood
+    assert torch.all(change[0::2] > 0) and torch.all(change[1::2] < 0), change
+    torch.testing.assert_close(after2 * mask, after8 * mask, atol=1e-5, rtol=0)
