@@ -122,3 +122,31 @@ def test_the_cnn_trunk_learns_catch_from_images(tmp_path, ray_session, with_vect
         r = [h["train/return_mean"] for h in exp.trainer.history]
     # Random play catches about one ball in five (mean return ~ -0.6); learned play most of them.
     assert np.mean(r[:5]) < 0 and np.mean(r[-5:]) > np.mean(r[:5]) + 0.8, r
+
+
+def test_a_collector_killed_mid_episode_is_restarted_and_the_run_goes_on(tmp_path, ray_session):
+    import threading
+    import time
+
+    import ray
+    from _nl_gym_helpers import SlowCartPole
+
+    from nemo_like.environments.step_environment import STEP_ENV_REGISTRY
+
+    with STEP_ENV_REGISTRY.isolated():
+        STEP_ENV_REGISTRY.register("slow-cartpole", SlowCartPole)
+        exp = GymGRPOExperiment(CARTPOLE, _overrides(tmp_path, "env.id=slow-cartpole", "grpo.val_at_start=false",
+                                                     "checkpointing.enabled=false"))
+    with exp:
+        exp.step()
+        out: dict = {}
+        worker = threading.Thread(target=lambda: out.setdefault("m", exp.step()))
+        worker.start()
+        time.sleep(0.3)  # 32 episodes of ~20 steps x 2 ms on each collector: mid-episode
+        ray.kill(exp.trainer.collectors.actors[1], no_restart=False)
+        worker.join(timeout=120)
+        assert not worker.is_alive()
+        m = out["m"]
+        assert m["collectors/restarts"] == 1 and m["train/groups_complete"] == 8
+        assert m["train/logprob_mismatch"] < 1e-5  # the restarted collector acted with this update's weights
+        assert exp.step()["train/groups_complete"] == 8  # and the run goes on
