@@ -7,10 +7,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
-from nemo_like.gym_config import GymMasterConfig
+
+if TYPE_CHECKING:  # a language-model run does not load the gym modules
+    from nemo_like.gym_config import GymMasterConfig
 
 
 def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], int | None],

@@ -40,6 +40,22 @@ _OPEN: list[weakref.ref] = []  # experiments not yet closed, oldest first
 REWARD_FNS_FILE = "experiment_reward_fns.json"
 
 
+def close_open_experiments() -> None:
+    """Close every experiment (language-model or gym) still open in this process: a notebook cell
+    run again must neither leak actors nor wait forever for the CPUs the old one holds."""
+    for ref in list(_OPEN):
+        old = ref()
+        if old is not None and not old.closed:
+            print("[nemo_like] closing the previous experiment first (one live experiment per process)")
+            old.close()
+    _OPEN[:] = [r for r in _OPEN if r() is not None and not r().closed]
+
+
+def track_open_experiment(exp: Any) -> None:
+    """Remember ``exp`` (which has ``closed`` and ``close()``) for :func:`close_open_experiments`."""
+    _OPEN.append(weakref.ref(exp))
+
+
 def _import_path(fn: Any) -> str | None:
     """``"module:name"`` that imports back to ``fn`` in a fresh process, or None: a lambda, a closure,
     a method, or a function of ``__main__`` (a script or a notebook cell) cannot be found by path."""
@@ -95,18 +111,13 @@ class GRPOExperiment:
         cfg = _to_config(config, overrides)
         resuming = resume and cfg.checkpointing.enabled and CheckpointManager(
             cfg.checkpointing, cleanup_stale=False).get_latest_checkpoint_path() is not None
-        for ref in list(_OPEN):
-            old = ref()
-            if old is not None and not old.closed:
-                print("[nemo_like] closing the previous experiment first (one live experiment per process)")
-                old.close()
-        _OPEN[:] = [r for r in _OPEN if r() is not None and not r().closed]
+        close_open_experiments()
         self.closed = False
         # task -> its reward functions ({fn, weight, name}), for tasks whose functions were changed
         # from code; the task's actor was built with exactly this list.
         self._reward_fns: dict[str, list[dict[str, Any]]] = {}
         self.trainer = setup(cfg, resume=resume)
-        _OPEN.append(weakref.ref(self))
+        track_open_experiment(self)
         if resuming:
             self._restore_reward_fns()
         elif cfg.checkpointing.enabled:  # a fresh run: a list left by an earlier run is not this run's

@@ -108,6 +108,10 @@ class GymMasterConfig(_Strict):
         except KeyError as e:
             raise ValueError(f"name: {e.args[0] if e.args else e}") from None
         except (TypeError, ValueError) as e:
+            # Another loss's typed config (clipped_pg) raises pydantic's multi-line report: one line.
+            cause = e if isinstance(e, ValidationError) else e.__cause__
+            if isinstance(cause, ValidationError):
+                raise ValueError(f"options of loss {name!r}: {format_validation_error(cause)}") from None
             raise ValueError(str(e)) from None
         return value
 

@@ -9,13 +9,13 @@
 The same shape as `GRPOExperiment` for language models: it wraps the `GymGRPOTrainer` the CLI uses,
 keeps Ray and the collector actors alive between calls and frees them on `close()`. Building a new
 experiment closes any gym experiment still open in this process first (re-running a notebook cell
-neither leaks actors nor waits for the CPUs the old collectors hold).
+neither leaks actors nor waits for the CPUs the old collectors hold; a language-model
+experiment is closed too, and the other way round).
 """
 
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,14 +25,15 @@ import torch
 
 from nemo_like.algorithms.gym_grpo import GymGRPOTrainer, gym_grpo_train, setup_gym
 from nemo_like.config import apply_overrides
+from nemo_like.experiment import close_open_experiments, track_open_experiment
 from nemo_like.gym_config import GymMasterConfig, load_gym_config, validate_gym_config
+from nemo_like.models.agent import obs_to_tensor
 from nemo_like.utils.checkpoint import CheckpointManager
 from nemo_like.utils.plotting import plot_metrics, save_training_curves
 
 __all__ = ["GymGRPOExperiment", "GYM_CURVES"]
 
 GYM_CURVES = ("train/return_mean", "val/return_mean", "train/episode_length_mean")
-_OPEN: list[weakref.ref] = []
 
 
 def _to_config(config: GymMasterConfig | str | Path | dict, overrides: Sequence[str] | None) -> GymMasterConfig:
@@ -54,15 +55,10 @@ class GymGRPOExperiment:
     def __init__(self, config: GymMasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
                  resume: bool = True) -> None:
         cfg = _to_config(config, overrides)
-        for ref in list(_OPEN):
-            old = ref()
-            if old is not None and not old.closed:
-                print("[nemo_like] closing the previous gym experiment first (one live experiment per process)")
-                old.close()
-        _OPEN[:] = [r for r in _OPEN if r() is not None and not r().closed]
+        close_open_experiments()  # of either kind: the old one's collectors or workers hold the CPUs
         self.closed = False
         self.trainer: GymGRPOTrainer = setup_gym(cfg, resume=resume)
-        _OPEN.append(weakref.ref(self))
+        track_open_experiment(self)
 
     @classmethod
     def from_config(cls, path: str | Path, overrides: Sequence[str] | None = None, **kwargs: Any) -> GymGRPOExperiment:
@@ -99,8 +95,6 @@ class GymGRPOExperiment:
     @torch.no_grad()
     def act(self, observations: Sequence[Any], greedy: bool = True) -> list[int]:
         """The policy's actions for a list of observations (as the environment returns them)."""
-        from nemo_like.models.agent import obs_to_tensor
-
         logits, _ = self.trainer.net(obs_to_tensor(list(observations)))
         if greedy:
             return logits.argmax(-1).tolist()
@@ -111,8 +105,7 @@ class GymGRPOExperiment:
         rewards (for a look at what the agent does)."""
         self._check_open()
         tr = self.trainer
-        if tr.collectors.version != tr.step_count:
-            tr.collectors.push_weights(tr.net.state_dict(), tr.step_count)
+        tr.sync_weights()
         (t,) = tr.collectors.collect([{"group_id": 0, "seed": int(seed), "count": 1, "sample_seed": int(seed)}],
                                      greedy=greedy)
         return {"return": t.ret, "length": t.length, "actions": t.actions.tolist(),

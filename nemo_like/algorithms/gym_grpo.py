@@ -13,22 +13,30 @@ latest update (pushed at the start of every step, checked by version); the learn
 
 from __future__ import annotations
 
+import copy
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.loss_functions import get_loss_fn
+from nemo_like.config import ConfigError
+from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+from nemo_like.environments.step_environment import make_step_env
+from nemo_like.environments.supervision import EnvironmentStartError
 from nemo_like.experience.step_collector import CollectorGroup, Trajectory
 from nemo_like.gym_config import GymMasterConfig
 from nemo_like.models.agent import ObsBatch, build_network, obs_index
 from nemo_like.utils.checkpoint import CheckpointManager
-from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
+from nemo_like.utils.checkpoint_io import CheckpointError, load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.timer import Timer
 
@@ -213,8 +221,8 @@ class GymGRPOTrainer:
                 out["reference_policy_logprobs"] = batch.pad(policy_logprobs(self.ref_net, batch.obs, batch.actions)[0])
             if self.config.loss_fn["name"] != "trajectory_pg":
                 out["prev_logprobs"] = batch.pad(policy_logprobs(self.net, batch.obs, batch.actions)[0])
-                # A loss that always reads a reference (clipped_pg) gets the weights themselves when
-                # no KL term is configured: its KL is then 0.
+                # A loss that always reads a reference (clipped_pg) but whose KL coefficient is 0 (no
+                # reference network then) gets these: the term is multiplied by 0 anyway.
                 out.setdefault("reference_policy_logprobs", out["prev_logprobs"])
         return out
 
@@ -225,7 +233,8 @@ class GymGRPOTrainer:
         first_mismatch = None
         for epoch in range(g.update_epochs):
             order = torch.randperm(n_groups, generator=torch.Generator().manual_seed(g.seed * 7919 + self.step_count * 31 + epoch))
-            for chunk in torch.tensor_split(order, g.num_minibatches):
+            # Fewer complete groups than minibatches (groups were dropped): one group per minibatch.
+            for chunk in torch.tensor_split(order, min(g.num_minibatches, n_groups)):
                 rows = (chunk[:, None] * k + torch.arange(k)[None, :]).flatten()
                 steps, _, _ = batch.select(rows)
                 lp, ent = policy_logprobs(self.net, obs_index(batch.obs, steps), batch.actions[steps])
@@ -264,11 +273,15 @@ class GymGRPOTrainer:
                 "train/zero_std_groups": float(flat),
                 "train/policy_version_lag": float(self.step_count - min(t.policy_version for t in trajs))}
 
+    def sync_weights(self) -> None:
+        """The collectors get the current weights, unless they have them already."""
+        if self.collectors.version != self.step_count:
+            self.collectors.push_weights(self.net.state_dict(), self.step_count)
+
     def validate(self, log: bool = False) -> dict[str, float]:
         """Greedy episodes on ``grpo.val_episodes`` held-out seeds with the current weights."""
         g = self.config.grpo
-        if self.collectors.version != self.step_count:
-            self.collectors.push_weights(self.net.state_dict(), self.step_count)
+        self.sync_weights()
         jobs = [{"group_id": i, "seed": VAL_SEED_BASE + i, "count": 1, "sample_seed": 0} for i in range(g.val_episodes)]
         trajs = [t for t in self.collectors.collect(jobs, greedy=True) if t.failed is None]
         returns = np.array([t.ret for t in trajs]) if trajs else np.array([np.nan])
@@ -313,6 +326,9 @@ class GymGRPOTrainer:
         self.last_val_metrics = dict(state["last_val_metrics"])
         self.first_val_return = state["first_val_return"]
         self._empty_steps = int(state["empty_steps"])
+        # A run that had reached its target (and stopped) stays done when it is resumed as it was.
+        target, last = self.config.grpo.target_val_return, self.last_val_metrics.get("val/return_mean")
+        self.reached_target = target is not None and last is not None and last >= target
 
     def close(self) -> None:
         self.logger.close()
@@ -352,41 +368,62 @@ def gym_grpo_train(trainer: GymGRPOTrainer, max_steps: int | None = None) -> lis
 
 
 
+def _reference_coef(loss_fn: Any) -> float:
+    """The KL coefficient of a built loss, by either side's name for it (0 when it has none)."""
+    cfg = getattr(loss_fn, "config", None)
+    return float(getattr(cfg, "ref_kl_coef", getattr(cfg, "reference_policy_kl_penalty", 0.0)) or 0.0)
+
+
+def check_gym_resume_compatible(cfg: GymMasterConfig, checkpoint: Path) -> None:
+    """ConfigError unless the checkpoint in ``checkpoint`` was written by a run of this environment
+    and network (anything else would fail on the weights' shapes, or resume a different run)."""
+    path = checkpoint / "run_config.json"
+    if not (checkpoint / AGENT_FILE).exists() or not path.exists():
+        raise ConfigError(f"checkpointing.checkpoint_dir={cfg.checkpointing.checkpoint_dir}: {checkpoint.name} is not "
+                          "a gym GRPO checkpoint (no agent.pt); point checkpoint_dir elsewhere")
+    saved = json.loads(path.read_text())
+    now = cfg.model_dump(mode="json")
+    keys = [("env", "id"), ("env", "kwargs"), ("env", "max_episode_steps")] + [
+        ("policy", k) for k in ("network", "hidden_sizes", "activation", "cnn_channels", "cnn_kernel_size")]
+    for section, key in keys:
+        old, new = saved.get(section, {}).get(key), now[section][key]
+        if old != new:
+            raise ConfigError(f"{section}.{key}={new!r} but the checkpoint in checkpointing.checkpoint_dir="
+                              f"{cfg.checkpointing.checkpoint_dir} was trained with {old!r}: use that value, "
+                              "or another checkpoint_dir for a new run")
+
+
 def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer:
     """Start (or join) Ray, the collectors, the network and its optimizer, the logger and the
     checkpointer; resume from the latest checkpoint in checkpoint_dir."""
-    import copy
-
-    import ray
-
-    from nemo_like.algorithms.loss_functions import get_loss_fn
-    from nemo_like.config import ConfigError
-    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-    from nemo_like.environments.step_environment import make_step_env
-    from nemo_like.environments.supervision import EnvironmentStartError
-    from nemo_like.utils.checkpoint_io import CheckpointError
-
     cfg = config.model_copy(deep=True)
     torch.manual_seed(cfg.grpo.seed)
     torch.set_num_threads(cfg.policy.torch_threads)
     ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
     try:
-        ckpt.preflight(resume) if ckpt else None
+        latest = ckpt.preflight(resume) if ckpt else None
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    if latest is not None:
+        check_gym_resume_compatible(cfg, latest)
     # One instance here, before Ray starts: the observation kind is known only from the environment,
     # and a network that does not fit it (or an environment that does not build) fails in a second.
+    probe = None
     try:
         probe = make_step_env(cfg.env.id, max_episode_steps=cfg.env.max_episode_steps, **cfg.env.kwargs)
         spec = probe.spec()
-        probe.close()
     except Exception as e:
-        raise EnvironmentStartError(f"step environment {cfg.env.id!r} (env.kwargs={cfg.env.kwargs}) did not "
-                                    f"start: {type(e).__name__}: {e}") from None
+        raise EnvironmentStartError(f"step environment {cfg.env.id!r} (env.kwargs={cfg.env.kwargs}, "
+                                    f"env.max_episode_steps={cfg.env.max_episode_steps}) did not start: "
+                                    f"{type(e).__name__}: {e}") from None
+    finally:
+        if probe is not None:
+            probe.close()
     try:
         net = build_network(spec, cfg.policy, seed=cfg.grpo.seed)
     except ValueError as e:
         raise ConfigError(f"policy.network={cfg.policy.network!r} for {cfg.env.id!r}: {e}") from None
+    loss_fn = get_loss_fn(cfg.loss_fn["name"], cfg.loss_options())
     resources: list[Any] = []
 
     def free() -> None:
@@ -400,28 +437,29 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
         need = cfg.env.num_collectors * cfg.env.cpus_per_collector
-        have = ray.cluster_resources().get("CPU", 0.0)
+        # The CPUs of a run closed just before (a notebook cell run again) come back within moments.
+        deadline = time.monotonic() + 10.0
+        while (have := ray.available_resources().get("CPU", 0.0)) < need and time.monotonic() < deadline:
+            time.sleep(0.2)
         if need > have:  # the collectors would wait forever for CPUs
             raise ConfigError(f"env.num_collectors={cfg.env.num_collectors} x env.cpus_per_collector="
-                              f"{cfg.env.cpus_per_collector} needs {need:g} CPUs; the Ray cluster has {have:g} "
-                              "(lower one of them, e.g. env.cpus_per_collector=0.5)")
+                              f"{cfg.env.cpus_per_collector} needs {need:g} CPUs; the Ray cluster has {have:g} free "
+                              f"of {ray.cluster_resources().get('CPU', 0.0):g} (lower one of them, e.g. "
+                              "env.cpus_per_collector=0.5, or close the run that holds them)")
         collectors = CollectorGroup(cfg.env.id, cfg.env.kwargs, cfg.env.max_episode_steps, cfg.policy,
                                     cfg.env.num_collectors, cfg.env.cpus_per_collector, seed=cfg.grpo.seed)
         resources.append(collectors.close)
-        options = cfg.loss_options()
-        ref_net = None
-        if float(options.get("ref_kl_coef", options.get("reference_policy_kl_penalty", 0.0)) or 0.0) > 0:
-            ref_net = copy.deepcopy(net).requires_grad_(False)
+        # A frozen reference only when the loss has a KL term (clipped_pg has one by default).
+        ref_net = copy.deepcopy(net).requires_grad_(False) if _reference_coef(loss_fn) > 0 else None
         optimizer = torch.optim.Adam(net.parameters(), lr=cfg.policy.learning_rate, eps=cfg.policy.adam_eps)
         logger = Logger(cfg.logger)
         resources.append(logger.close)
         logger.log_hyperparams(cfg)
+        trainer = GymGRPOTrainer(config=cfg, collectors=collectors, net=net, optimizer=optimizer, loss_fn=loss_fn,
+                                 logger=logger, checkpointer=ckpt, ref_net=ref_net, _resources=resources)
     except BaseException:
         free()
         raise
-    trainer = GymGRPOTrainer(config=cfg, collectors=collectors, net=net, optimizer=optimizer,
-                             loss_fn=get_loss_fn(cfg.loss_fn["name"], options), logger=logger, checkpointer=ckpt,
-                             ref_net=ref_net, _resources=resources)
     try:  # checkpoint_dir is locked until trainer.close()
         latest = ckpt.open_for_run(resume) if ckpt else None
         if latest is not None:

@@ -23,7 +23,12 @@ import numpy as np
 import torch
 
 from nemo_like.environments.step_environment import ObsSpec, make_step_env, step_env_factory
-from nemo_like.environments.supervision import EnvironmentStartError, first_line_of_error
+from nemo_like.environments.supervision import (
+    START_TIMEOUT_S,
+    EnvironmentFailureError,
+    EnvironmentStartError,
+    first_line_of_error,
+)
 from nemo_like.models.agent import AgentPolicyConfig, build_network, obs_to_tensor
 
 __all__ = ["CollectorGroup", "StaleWeightsError", "Trajectory", "TrajectoryCollector"]
@@ -140,12 +145,22 @@ class TrajectoryCollector:
         self._replace_env(ep.env_slot)
 
     def _check_obs(self, ep: _Episode, obs: Any, where: str) -> bool:
-        if (obs.shape if isinstance(obs, np.ndarray) else _shape(obs)) != self._expected:
-            self._fail(ep, f"{where} returned an observation of shape {_shape(obs)}, expected {self._expected}")
+        """Keep a float32 copy of ``obs`` as the episode's current observation, or fail the episode:
+        a wrong shape, a value that is not a number, or a NaN/inf (one of those trained on would
+        turn every weight into NaN)."""
+        try:
+            if (obs.shape if isinstance(obs, np.ndarray) else _shape(obs)) != self._expected:
+                raise ValueError(f"shape {_shape(obs)}, expected {self._expected}")
+            # A copy: an environment may hand out one buffer and change it in place on the next step.
+            current = ({k: np.array(v, dtype=np.float32) for k, v in obs.items()} if isinstance(obs, dict)
+                       else np.array(obs, dtype=np.float32))
+            values = current.values() if isinstance(current, dict) else (current,)
+            if not all(np.isfinite(v).all() for v in values):
+                raise ValueError("NaN or infinite values")
+        except (TypeError, ValueError, AttributeError) as e:
+            self._fail(ep, f"{where} returned a bad observation: {e}")
             return False
-        # A copy: an environment may hand out one buffer and change it in place on the next step.
-        ep.current = ({k: np.array(v, dtype=np.float32) for k, v in obs.items()} if isinstance(obs, dict)
-                      else np.array(obs, dtype=np.float32))
+        ep.current = current
         return True
 
     def collect(self, jobs: list[dict[str, int]], expected_version: int, greedy: bool = False) -> list[Trajectory]:
@@ -239,12 +254,21 @@ class CollectorGroup:
         self.restarts = 0
         self.version = -1
         self._weights_ref: Any = None
+        self.env_id = env_id
         try:  # a constructor that raised (a bad kwarg, a broken simulator) fails the run now, naming it
-            self.spec: ObsSpec = ray.get(self.actors[0].spec.remote())
+            self.spec: ObsSpec = ray.get([a.spec.remote() for a in self.actors], timeout=START_TIMEOUT_S)[0]
         except ray.exceptions.RayActorError as e:
             self.close()
             raise EnvironmentStartError(f"step environment {env_id!r} (env.kwargs={dict(env_kwargs)}) did not start: "
                                         f"{first_line_of_error(e)}") from None
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise EnvironmentStartError(f"the {num_collectors} collectors of {env_id!r} did not start within "
+                                        f"{START_TIMEOUT_S:g} s (are the CPUs they need, env.num_collectors x "
+                                        "env.cpus_per_collector, held by another run?)") from None
+        except BaseException:  # an interrupt: no actor outlives the group that made it
+            self.close()
+            raise
 
     def push_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Send the weights to every collector; returns the bytes sent once (the object store
@@ -252,7 +276,13 @@ class CollectorGroup:
         cpu = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
         self._weights_ref = self._ray.put(cpu)
         self.version = int(version)
-        self._ray.get([a.set_weights.remote(self._weights_ref, self.version) for a in self.actors])
+        futures = [a.set_weights.remote(self._weights_ref, self.version) for a in self.actors]
+        for k, fut in enumerate(futures):
+            try:
+                self._ray.get(fut)
+            except self._ray.exceptions.RayActorError:  # it died since the last update: Ray restarts it
+                self.restarts += 1
+                self._resend_weights(k)
         return float(sum(v.numel() * v.element_size() for v in cpu.values()))
 
     def collect(self, jobs: list[dict[str, int]], greedy: bool = False) -> list[Trajectory]:
@@ -284,7 +314,8 @@ class CollectorGroup:
                 break
             attempts += 1
             if attempts > self.max_retries:
-                raise RuntimeError(f"collectors kept failing after {self.max_retries} retries: {'; '.join(errors)}")
+                raise EnvironmentFailureError(f"the collectors of {self.env_id!r} kept dying: {self.max_retries} "
+                                              f"retries in one update failed ({'; '.join(errors)})")
             for k in failed:
                 self.restarts += 1
                 self._resend_weights(k)
@@ -300,16 +331,17 @@ class CollectorGroup:
                     out[starts[j] + n] = next(trajs)
         return out  # type: ignore[return-value]
 
-    def _resend_weights(self, k: int, timeout_s: float = 120.0) -> None:
+    def _resend_weights(self, k: int, timeout_s: float = START_TIMEOUT_S) -> None:
         """The collector is restarted by Ray (a call on it waits for that); it has no weights yet."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 self._ray.get(self.actors[k].set_weights.remote(self._weights_ref, self.version))
                 return
-            except self._ray.exceptions.RayActorError:
+            except self._ray.exceptions.RayActorError as e:
                 if time.monotonic() > deadline:
-                    raise
+                    raise EnvironmentFailureError(f"collector {k} of {self.env_id!r} died and did not come back "
+                                                  f"within {timeout_s:g} s: {first_line_of_error(e)}") from None
                 time.sleep(0.2)
 
     def close(self) -> None:

@@ -108,6 +108,7 @@ def test_reference_refresh_and_a_loss_from_the_registry(tmp_path, ray_session):
                                            "grpo.max_num_steps=8")) as exp:
         exp.train()
         h = [x for x in exp.trainer.history if "train/loss" in x]  # not the validation row at the end
+    assert exp.trainer.ref_net is not None  # clipped_pg's KL (0.01 by default) is against a frozen reference
     assert len(h) == 8 and all(np.isfinite(x["train/loss"]) for x in h)
     assert h[0]["train/probs_ratio"] == pytest.approx(1.0, abs=0.05)  # averaged over both epochs
     assert np.mean([x["train/return_mean"] for x in h[-2:]]) > np.mean([x["train/return_mean"] for x in h[:2]])
@@ -150,3 +151,29 @@ def test_a_collector_killed_mid_episode_is_restarted_and_the_run_goes_on(tmp_pat
         assert m["collectors/restarts"] == 1 and m["train/groups_complete"] == 8
         assert m["train/logprob_mismatch"] < 1e-5  # the restarted collector acted with this update's weights
         assert exp.step()["train/groups_complete"] == 8  # and the run goes on
+
+
+def test_fewer_complete_groups_than_minibatches(tmp_path, ray_session):
+    args = _overrides(tmp_path, "grpo.num_minibatches=8", "env.min_trajectory_length=15", "grpo.max_refill_rounds=0",
+                      "grpo.val_at_start=false", "checkpointing.enabled=false")
+    with GymGRPOExperiment(CARTPOLE, args) as exp:
+        m = exp.step()
+    assert 0 < m["train/groups_complete"] < 8
+    assert m["train/optimizer_steps"] == 2 * m["train/groups_complete"]  # one group per minibatch, 2 epochs
+
+
+def test_resume_refuses_another_runs_checkpoint_and_a_finished_run_stays_finished(tmp_path, ray_session):
+    from nemo_like.config import ConfigError
+
+    # The target is reached at the validation of update 5 (greedy 46.9).
+    args = [*_overrides(tmp_path, "grpo.val_period=5", "grpo.max_num_steps=50"), "grpo.target_val_return=40"]
+    with GymGRPOExperiment(CARTPOLE, args) as exp:
+        exp.train()
+        assert exp.reached_target and exp.step_count == 5
+    with GymGRPOExperiment(CARTPOLE, args) as exp:  # the same command again: nothing more to do
+        assert exp.step_count == 5 and exp.reached_target
+        assert exp.train() == []
+    with pytest.raises(ConfigError, match=r"env.id='Acrobot-v1' but the checkpoint .* was trained with 'CartPole-v1'"):
+        GymGRPOExperiment(CARTPOLE, [*args, "env.id=Acrobot-v1"])
+    with pytest.raises(ConfigError, match=r"policy.hidden_sizes=\[32\] but the checkpoint"):
+        GymGRPOExperiment(CARTPOLE, [*args, "policy.hidden_sizes=[32]"])

@@ -77,7 +77,8 @@ def test_greedy_takes_the_argmax():
 
 
 @pytest.mark.parametrize("bad, message", [("raise", r"step\(\d\) raised RuntimeError: simulator exploded"),
-                                          ("nan", "non-finite reward"), ("shape", r"shape \(3,\), expected \(2,\)")])
+                                          ("nan", "non-finite reward"), ("shape", r"shape \(3,\), expected \(2,\)"),
+                                          ("nan_obs", "NaN or infinite values"), ("text_obs", "bad observation")])
 def test_a_broken_environment_costs_its_episode_only(bad, message):
     c = _collector(fail_seed=4, bad=bad)
     trajs = c.collect(_jobs([4, 3], count=2), expected_version=3)
@@ -123,5 +124,19 @@ def test_collector_group_spreads_whole_jobs_and_survives_a_killed_collector(ray_
         for a, b in zip(first, again, strict=True):  # and repeated its jobs: per-job seeds give the same episodes
             assert (a.group_id, a.seed) == (b.group_id, b.seed)
             np.testing.assert_array_equal(a.actions, b.actions)
+    finally:
+        group.close()
+
+
+def test_a_collector_that_died_between_updates_gets_the_next_weights(ray_session):
+    group = CollectorGroup("CartPole-v1", {}, None, POLICY, num_collectors=2, cpus_per_collector=1, seed=0)
+    try:
+        net = build_network(group.spec, POLICY, seed=2)
+        group.push_weights(net.state_dict(), version=1)
+        ray.kill(group.actors[0], no_restart=False)  # idle, between two updates
+        group.push_weights(net.state_dict(), version=2)
+        assert group.restarts == 1
+        trajs = group.collect(_jobs([5, 6], count=2))
+        assert {t.policy_version for t in trajs} == {2} and all(t.failed is None for t in trajs)
     finally:
         group.close()
