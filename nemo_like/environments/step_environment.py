@@ -7,7 +7,9 @@ The contract (:class:`StepEnvironment`) is gymnasium's, cut to what a GRPO colle
     spec() -> ObsSpec           # what the policy network is built for
 
 An observation is a float vector ``[D]``, an image ``[C, H, W]``, or a mapping
-``{"image": [C, H, W], "vector": [D]}`` (an image with a float vector beside it).
+``{"image": [C, H, W], "vector": [D]}`` (an image with a float vector beside it). The collector casts
+it to float32 as it is: a class of your own should scale pixels to [0, 1] itself (the gymnasium
+wrapper divides uint8 images by 255).
 
 Names resolve through :data:`STEP_ENV_REGISTRY` (the same registry shape as the LLM environments:
 a class or an import path, ``register_step_env("my_env", MyEnv)``); a name nobody registered that
