@@ -37,7 +37,7 @@ from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
-from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
+from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
 from nemo_like.utils.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -237,7 +237,7 @@ class GRPOTrainer:
         on = (p.generation.backend == "hf" and p.precision == "float32") if on == "auto" else on
         return bool(on) and not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
 
-    def _rollout(self, batch: BatchedDataDict, greedy: bool) -> tuple[BatchedDataDict, dict[str, float]]:
+    def _rollout(self, batch: BatchedDataDict, greedy: bool, generator: Any = None) -> tuple[BatchedDataDict, dict[str, float]]:
         cfg = self.config
         names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list} | self.env_names
         limits = step_timeouts(cfg.env, {t: names.get(t, t) for t in self.envs}, cfg.grpo.env_step_timeout_s)
@@ -247,7 +247,7 @@ class GRPOTrainer:
         else:
             tokenizer = getattr(self._local, "tokenizer", None) or copy.deepcopy(self.tokenizer)
             self._local.tokenizer = tokenizer
-        return run_multi_turn_rollout(self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
+        return run_multi_turn_rollout(generator or self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
                                       max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
                                       step_timeouts=limits)
 
@@ -282,7 +282,12 @@ class GRPOTrainer:
         n = len(idx)
         t0 = time.perf_counter()
         batch = rl_collate_fn([self.val_dataset[i] for i in idx])
-        batch, m = self._rollout(batch, greedy=True)
+        if self.generator is self.policy:
+            batch, m = self._rollout(batch, greedy=True)
+        else:  # the trainer's workers wait for validation anyway: they generate half of it, beside the rollout workers
+            batch, m = run_split_rollout(batch, [lambda b: self._rollout(b, True, self.policy),
+                                                 lambda b: self._rollout(b, True, self.generator)])
+            self.policy.finish_generation()
         rewards = batch["total_reward"]
         out = {"val/accuracy": float((rewards >= 1.0).float().mean()),
                "val/reward_mean": float(rewards.nan_to_num(0.0).mean()),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -264,6 +266,48 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     }
     # Counters ("num_*", "step_errors", "step_timeouts") add up over turns; rates and accuracies are averaged.
     for k, vs in env_metrics.items():
-        leaf = k.rsplit("/", 1)[-1]
-        metrics[k] = sum(vs) if leaf.startswith("num_") or leaf in ("step_errors", "step_timeouts") else sum(vs) / len(vs)
+        metrics[k] = sum(vs) if _is_counter(k) else sum(vs) / len(vs)
+    return out, metrics
+
+
+def _is_counter(key: str) -> bool:
+    leaf = key.rsplit("/", 1)[-1]
+    return leaf.startswith("num_") or leaf in ("step_errors", "step_timeouts")
+
+
+def run_split_rollout(batch: BatchedDataDict,
+                      rollouts: list[Callable[[BatchedDataDict], tuple[BatchedDataDict, dict[str, float]]]]
+                      ) -> tuple[BatchedDataDict, dict[str, float]]:
+    """Deal the samples of ``batch`` round-robin to ``rollouts`` (each a rollout on a generator of
+    its own), run them in threads at once, and put the results back in batch order.
+
+    The result holds the per-sample fields (lists and 1-D tensors: ``total_reward``, ``task_name``,
+    ``num_turns``, ``truncated``, ``generation_lengths``, ``message_log``, ...); 2-D tensors are left
+    out. Metrics: lengths, truncation and turns over all samples; environment counters summed, other
+    environment metrics weighted by each part's size; ``generation_s`` the longest part's.
+    """
+    n, k = batch.size, len(rollouts)
+    parts_idx = [list(range(i, n, k)) for i in range(k) if i < n]
+    with ThreadPoolExecutor(len(parts_idx), thread_name_prefix="split-rollout") as pool:
+        parts = list(pool.map(lambda run, idx: run(batch.select_indices(idx)), rollouts[: len(parts_idx)], parts_idx))
+    order = torch.tensor([i for idx in parts_idx for i in idx])
+    back = torch.argsort(order)
+    out = BatchedDataDict()
+    for key, first in parts[0][0].items():
+        values = [p[key] for p, _ in parts]
+        if isinstance(first, torch.Tensor) and first.dim() == 1:
+            out[key] = torch.cat(values)[back]
+        elif isinstance(first, list):
+            flat = [v for part in values for v in part]
+            out[key] = [flat[int(i)] for i in back]
+    gen_lengths, truncated, turns = out["generation_lengths"], out["truncated"], out["num_turns"]
+    metrics = {"response_length_mean": float(gen_lengths.float().mean()),
+               "truncation_rate": float(truncated.float().mean()),
+               "turns_per_sample": float(turns.float().mean()),
+               "unterminated_rate": sum(m["unterminated_rate"] * len(idx) for (_, m), idx in zip(parts, parts_idx)) / n,
+               "generation_s": max(m["generation_s"] for _, m in parts)}
+    for key in {k for _, m in parts for k in m if k.startswith("env/")}:
+        have = [(m[key], len(idx)) for (_, m), idx in zip(parts, parts_idx) if key in m]
+        metrics[key] = (sum(v for v, _ in have) if _is_counter(key)
+                        else sum(v * w for v, w in have) / sum(w for _, w in have))
     return out, metrics

@@ -124,8 +124,17 @@ def test_the_notebook_api_steps_one_optimizer_step_at_a_time_with_async_rollouts
         assert exp.step_count == 1 and first["train/staleness_max"] == 0  # nothing older exists yet
         exp.step()
         assert exp.step_count == 2 and exp.trainer.generator.policy_version == 2
-        v = exp.validate()  # greedy, on the rollout worker, with the weights of step 2
+        # Greedy, with the weights of step 2: half the samples on the trainer's worker, half on the
+        # rollout worker; the same accuracy as all of them on the rollout worker.
+        v = exp.validate()
         assert v["val/num_samples"] == 4
+        from nemo_like.data.collate import rl_collate_fn
+
+        tr = exp.trainer
+        alone, _ = tr._rollout(rl_collate_fn([tr.val_dataset[i] for i in range(4)]), True, tr.generator)
+        assert tr.last_val_results["correct"] == (alone["total_reward"] >= 1.0).tolist()
+        assert v["val/reward_mean"] == pytest.approx(float(alone["total_reward"].nan_to_num(0.0).mean()))
+        assert v["val/response_length_mean"] == pytest.approx(float(alone["generation_lengths"].float().mean()))
         assert len(exp.generate(["1+2=?"])) == 1
         threads = list(exp.trainer.async_rollouts._threads)
         assert len(threads) == 2 and all(t.is_alive() for t in threads)  # buffer_size producers

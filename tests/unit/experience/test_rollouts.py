@@ -373,3 +373,29 @@ def test_observation_that_would_overflow_ends_the_episode_truncated(setup_env):
     flat = flatten_message_logs(out["message_log"], tok.pad_token_id)
     assert int(flat["input_lengths"].max()) <= max_len
     ray.kill(echo)
+
+
+def test_a_split_rollout_runs_on_two_generators_at_once_and_keeps_batch_order(setup_env):
+    """Validation with a separate rollout group: half the samples on the trainer's workers, half on
+    the rollout workers, in threads; the merged result equals one greedy rollout of the whole batch."""
+    import copy
+
+    from nemo_like.experience.rollouts import run_split_rollout
+
+    envs, tok, model = setup_env
+    specs = [("a", 1), ("b", 3), ("a", 2), ("b", 1), ("a", 3), ("b", 2), ("a", 1)]
+    whole, m_whole = run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, specs), tok, envs, max_turns=3,
+                                            max_seq_len=200, greedy=True)
+    first, second = LocalHF(model, tok), LocalHF(copy.deepcopy(model), tok)
+    toks = [copy.deepcopy(tok), copy.deepcopy(tok)]  # a fast tokenizer is not shared between threads
+    out, m = run_split_rollout(_batch(tok, specs), [
+        lambda b: run_multi_turn_rollout(first, b, toks[0], envs, max_turns=3, max_seq_len=200, greedy=True),
+        lambda b: run_multi_turn_rollout(second, b, toks[1], envs, max_turns=3, max_seq_len=200, greedy=True)])
+    assert first.calls[0].size == 4 and second.calls[0].size == 3  # samples 0, 2, 4, 6 and 1, 3, 5
+    assert out["task_name"] == [t for t, _ in specs]
+    for key in ("total_reward", "num_turns", "truncated", "generation_lengths"):
+        assert torch.equal(out[key], whole[key]), key
+    for a, b in zip(out["message_log"], whole["message_log"], strict=True):
+        assert [msg["content"] for msg in a] == [msg["content"] for msg in b]
+    for key in ("response_length_mean", "truncation_rate", "turns_per_sample", "env/a/num_calls", "env/b/num_calls"):
+        assert m[key] == pytest.approx(m_whole[key]), key
