@@ -42,6 +42,9 @@ class StepEnvConfig(_Strict):
     min_trajectory_length: int = Field(1, ge=1)  # shorter trajectories are dropped before grouping
     num_collectors: int = Field(2, ge=1)
     cpus_per_collector: float = Field(1.0, gt=0)
+    # A collector whose episodes of one update take longer is killed, restarted and given them again
+    # (grpo's collector retries, then the run stops saying why): a simulator that hangs never hangs the run.
+    collect_timeout_s: float | None = Field(600.0, gt=0)
 
     @field_validator("id")
     @classmethod

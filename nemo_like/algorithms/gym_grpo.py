@@ -447,7 +447,8 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
                               f"of {ray.cluster_resources().get('CPU', 0.0):g} (lower one of them, e.g. "
                               "env.cpus_per_collector=0.5, or close the run that holds them)")
         collectors = CollectorGroup(cfg.env.id, cfg.env.kwargs, cfg.env.max_episode_steps, cfg.policy,
-                                    cfg.env.num_collectors, cfg.env.cpus_per_collector, seed=cfg.grpo.seed)
+                                    cfg.env.num_collectors, cfg.env.cpus_per_collector, seed=cfg.grpo.seed,
+                                    collect_timeout_s=cfg.env.collect_timeout_s)
         resources.append(collectors.close)
         # A frozen reference only when the loss has a KL term (clipped_pg has one by default).
         ref_net = copy.deepcopy(net).requires_grad_(False) if _reference_coef(loss_fn) > 0 else None

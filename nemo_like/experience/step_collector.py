@@ -239,18 +239,21 @@ class TrajectoryCollector:
 class CollectorGroup:
     """``num_collectors`` restartable :class:`TrajectoryCollector` actors, driven from the learner."""
 
-    def __init__(self, env_id: str, env_kwargs: dict[str, Any], max_episode_steps: int | None,
+    def __init__(self, env_id: str | Any, env_kwargs: dict[str, Any], max_episode_steps: int | None,
                  policy_config: AgentPolicyConfig, num_collectors: int, cpus_per_collector: float = 1.0,
-                 seed: int = 0, max_retries: int = 3) -> None:
+                 seed: int = 0, max_retries: int = 3, collect_timeout_s: float | None = None) -> None:
         import ray
 
         self._ray = ray
         actor_cls = ray.remote(TrajectoryCollector).options(
             num_cpus=cpus_per_collector, max_restarts=-1, max_task_retries=0)
-        factory = step_env_factory(env_id)
+        # A name (registered or gymnasium), or already what builds the environment (a class).
+        factory = step_env_factory(env_id) if isinstance(env_id, str) else env_id
+        env_id = env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id))
         self.actors = [actor_cls.remote(factory, env_kwargs, max_episode_steps, policy_config.model_dump(), seed)
                        for _ in range(num_collectors)]
         self.max_retries = max_retries
+        self.collect_timeout_s = collect_timeout_s
         self.restarts = 0
         self.version = -1
         self._weights_ref: Any = None
@@ -288,7 +291,8 @@ class CollectorGroup:
     def collect(self, jobs: list[dict[str, int]], greedy: bool = False) -> list[Trajectory]:
         """Runs ``jobs`` spread over the collectors (whole jobs, balanced by episode count) and
         returns their trajectories in job order. A collector that died is restarted by Ray, sent the
-        weights again and given its jobs again, up to ``max_retries`` times per call."""
+        weights again and given its jobs again, up to ``max_retries`` times per call; so is one whose
+        jobs run past ``collect_timeout_s`` (a simulator that hangs in ``step``: it is killed)."""
         ray = self._ray
         shares: list[list[int]] = [[] for _ in self.actors]
         load = [0] * len(self.actors)
@@ -304,17 +308,24 @@ class CollectorGroup:
                        for k, share in pending.items()}
             failed: dict[int, list[int]] = {}
             errors = []
+            deadline = None if self.collect_timeout_s is None else time.monotonic() + self.collect_timeout_s
             for k, fut in futures.items():
                 try:
-                    results[k] = ray.get(fut)
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    results[k] = ray.get(fut, timeout=left)
                 except (ray.exceptions.RayActorError, StaleWeightsError) as e:
                     failed[k] = pending[k]
                     errors.append(f"collector {k}: {type(e).__name__}")
+                except ray.exceptions.GetTimeoutError:
+                    ray.kill(self.actors[k], no_restart=False)  # Ray starts it again; its jobs are repeated
+                    failed[k] = pending[k]
+                    errors.append(f"collector {k}: its episodes ran past env.collect_timeout_s="
+                                  f"{self.collect_timeout_s:g} (a simulator that hangs in step()?)")
             if not failed:
                 break
             attempts += 1
             if attempts > self.max_retries:
-                raise EnvironmentFailureError(f"the collectors of {self.env_id!r} kept dying: {self.max_retries} "
+                raise EnvironmentFailureError(f"the collectors of {self.env_id!r} kept failing: {self.max_retries} "
                                               f"retries in one update failed ({'; '.join(errors)})")
             for k in failed:
                 self.restarts += 1

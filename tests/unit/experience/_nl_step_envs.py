@@ -42,6 +42,8 @@ class CountdownEnv(StepEnvironment):
                 return np.zeros(3, dtype=np.float32), 1.0, False, False, {}
             if self.bad == "nan_obs":
                 return np.array([np.nan, 1.0], dtype=np.float32), 1.0, False, False, {}
+            if self.bad == "hang":
+                time.sleep(3600)
             if self.bad == "text_obs":
                 return np.array(["a", "b"]), 1.0, False, False, {}
         done = self.t >= 1 + self.seed % self.length_mod

@@ -140,3 +140,24 @@ def test_a_collector_that_died_between_updates_gets_the_next_weights(ray_session
         assert {t.policy_version for t in trajs} == {2} and all(t.failed is None for t in trajs)
     finally:
         group.close()
+
+
+def test_a_simulator_that_hangs_is_cut_off_and_the_run_told_why(ray_session):
+    from nemo_like.environments.supervision import EnvironmentFailureError
+
+    group = CollectorGroup("CartPole-v1", {}, None, POLICY, num_collectors=1, cpus_per_collector=1, seed=0,
+                           max_retries=1, collect_timeout_s=2.0)
+    hanging = CollectorGroup(CountdownEnv, {"fail_seed": 4, "bad": "hang"}, None, POLICY, num_collectors=1,
+                             cpus_per_collector=1, seed=0, max_retries=1, collect_timeout_s=2.0)
+    try:
+        for g in (group, hanging):
+            g.push_weights(build_network(g.spec, POLICY, seed=2).state_dict(), version=1)
+        assert len(group.collect(_jobs([1, 2], count=2))) == 4  # within the limit: untouched
+        assert all(t.failed is None for t in hanging.collect(_jobs([3], count=2)))
+        t0 = time.monotonic()
+        with pytest.raises(EnvironmentFailureError, match=r"ran past env.collect_timeout_s=2 \(a simulator that hangs"):
+            hanging.collect(_jobs([4], count=2))  # hangs on every try: killed, restarted, tried again, then stop
+        assert time.monotonic() - t0 < 60 and hanging.restarts == 1  # one retry, then the run is told
+    finally:
+        group.close()
+        hanging.close()
