@@ -33,7 +33,7 @@ from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, apply_overrides, load_config, validate_config
 
-__all__ = ["GRPOExperiment"]
+__all__ = ["GRPOExperiment", "LiveExperiment"]
 
 _OPEN: list[weakref.ref] = []  # experiments not yet closed, oldest first
 # In checkpoint_dir, beside the step_<N> folders: the reward functions added from code, for resume.
@@ -87,6 +87,51 @@ def _label(spec: dict) -> str:
     return f"{spec['name']!r} ({where})" if spec.get("name") else repr(where)
 
 
+class LiveExperiment:
+    """What both notebook APIs share (``GRPOExperiment``, ``GymGRPOExperiment``): construction from a
+    YAML path and resume from a checkpoint folder, ``close()`` and ``with``, and the refusal to run
+    on after ``close()``. A subclass sets ``self.trainer`` (with ``close()``) and ``self.closed``."""
+
+    trainer: Any
+    closed: bool = True
+
+    @classmethod
+    def from_config(cls, path: str | Path, overrides: Sequence[str] | None = None, **kwargs: Any) -> Any:
+        return cls(path, overrides, **kwargs)
+
+    @classmethod
+    def resume(cls, checkpoint_dir: str | Path, overrides: Sequence[str] | None = None) -> Any:
+        """Continue the run whose checkpoints are in ``checkpoint_dir`` from its latest checkpoint,
+        with the config it was saved with (plus ``overrides``, e.g. a longer ``grpo.max_num_steps``)."""
+        from nemo_like.utils.checkpoint import CheckpointManager
+
+        checkpoint_dir = Path(checkpoint_dir)
+        latest = CheckpointManager({"checkpoint_dir": str(checkpoint_dir)}, cleanup_stale=False).get_latest_checkpoint_path()
+        if latest is None or not (latest / "run_config.json").exists():
+            raise FileNotFoundError(f"{checkpoint_dir} holds no complete checkpoint with a run_config.json to resume")
+        saved = json.loads((latest / "run_config.json").read_text())
+        saved["checkpointing"]["checkpoint_dir"] = str(checkpoint_dir)
+        return cls(saved, overrides, resume=True)
+
+    def close(self) -> None:
+        """Free the workers and actors this experiment created (and Ray, if it started it)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.trainer.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            name = type(self).__name__
+            raise RuntimeError(f"this experiment is closed; build a new one (or {name}.resume(...))")
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def _to_config(config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None) -> MasterConfig:
     overrides = list(overrides or [])
     if isinstance(config, (str, Path)):
@@ -100,7 +145,7 @@ def _to_config(config: MasterConfig | str | Path | dict, overrides: Sequence[str
     raise TypeError(f"config must be a YAML path, a dict or a MasterConfig, got {type(config).__name__}")
 
 
-class GRPOExperiment:
+class GRPOExperiment(LiveExperiment):
     """A live GRPO run: Ray, policy workers and environment actors stay up between calls."""
 
     def __init__(self, config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
@@ -122,25 +167,6 @@ class GRPOExperiment:
             self._restore_reward_fns()
         elif cfg.checkpointing.enabled:  # a fresh run: a list left by an earlier run is not this run's
             Path(cfg.checkpointing.checkpoint_dir, REWARD_FNS_FILE).unlink(missing_ok=True)
-
-    # ---- construction ------------------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, path: str | Path, overrides: Sequence[str] | None = None, **kwargs: Any) -> GRPOExperiment:
-        return cls(path, overrides, **kwargs)
-
-    @classmethod
-    def resume(cls, checkpoint_dir: str | Path, overrides: Sequence[str] | None = None) -> GRPOExperiment:
-        """Continue the run whose checkpoints are in ``checkpoint_dir`` from its latest checkpoint,
-        with the config it was saved with (plus ``overrides``, e.g. a longer ``grpo.max_num_steps``)."""
-        from nemo_like.utils.checkpoint import CheckpointManager
-
-        checkpoint_dir = Path(checkpoint_dir)
-        latest = CheckpointManager({"checkpoint_dir": str(checkpoint_dir)}, cleanup_stale=False).get_latest_checkpoint_path()
-        if latest is None or not (latest / "run_config.json").exists():
-            raise FileNotFoundError(f"{checkpoint_dir} holds no complete checkpoint with a run_config.json to resume")
-        saved = json.loads((latest / "run_config.json").read_text())
-        saved["checkpointing"]["checkpoint_dir"] = str(checkpoint_dir)
-        return cls(saved, overrides, resume=True)
 
     # ---- training ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -410,23 +436,6 @@ class GRPOExperiment:
         from nemo_like.utils.plotting import save_training_curves
 
         return save_training_curves(self.trainer.history, path or Path(self.config.logger.log_dir) / "curves.png")
-
-    def close(self) -> None:
-        """Free the workers and environment actors this experiment created (and Ray, if it started it)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.trainer.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this experiment is closed; build a new one (or GRPOExperiment.resume(...))")
-
-    def __enter__(self) -> GRPOExperiment:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"step {self.step_count}"

@@ -15,7 +15,6 @@ experiment is closed too, and the other way round).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,9 @@ import torch
 
 from nemo_like.algorithms.gym_grpo import GymGRPOTrainer, gym_grpo_train, setup_gym
 from nemo_like.config import apply_overrides
-from nemo_like.experiment import close_open_experiments, track_open_experiment
+from nemo_like.experiment import LiveExperiment, close_open_experiments, track_open_experiment
 from nemo_like.gym_config import GymMasterConfig, load_gym_config, validate_gym_config
 from nemo_like.models.agent import obs_to_tensor
-from nemo_like.utils.checkpoint import CheckpointManager
 from nemo_like.utils.plotting import plot_metrics, save_training_curves
 
 __all__ = ["GymGRPOExperiment", "GYM_CURVES"]
@@ -49,7 +47,7 @@ def _to_config(config: GymMasterConfig | str | Path | dict, overrides: Sequence[
     raise TypeError(f"config must be a YAML path, a dict or a GymMasterConfig, got {type(config).__name__}")
 
 
-class GymGRPOExperiment:
+class GymGRPOExperiment(LiveExperiment):
     """A live trajectory-level GRPO run: Ray and the collector actors stay up between calls."""
 
     def __init__(self, config: GymMasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
@@ -59,22 +57,6 @@ class GymGRPOExperiment:
         self.closed = False
         self.trainer: GymGRPOTrainer = setup_gym(cfg, resume=resume)
         track_open_experiment(self)
-
-    @classmethod
-    def from_config(cls, path: str | Path, overrides: Sequence[str] | None = None, **kwargs: Any) -> GymGRPOExperiment:
-        return cls(path, overrides, **kwargs)
-
-    @classmethod
-    def resume(cls, checkpoint_dir: str | Path, overrides: Sequence[str] | None = None) -> GymGRPOExperiment:
-        """Continue the run in ``checkpoint_dir`` from its latest checkpoint, with the config it was
-        saved with (plus ``overrides``, e.g. a larger ``grpo.max_num_steps``)."""
-        checkpoint_dir = Path(checkpoint_dir)
-        latest = CheckpointManager({"checkpoint_dir": str(checkpoint_dir)}, cleanup_stale=False).get_latest_checkpoint_path()
-        if latest is None or not (latest / "run_config.json").exists():
-            raise FileNotFoundError(f"{checkpoint_dir} holds no complete checkpoint with a run_config.json to resume")
-        saved = json.loads((latest / "run_config.json").read_text())
-        saved["checkpointing"]["checkpoint_dir"] = str(checkpoint_dir)
-        return cls(saved, overrides, resume=True)
 
     # ---- training ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -164,19 +146,3 @@ class GymGRPOExperiment:
     def returns(self) -> np.ndarray:
         """val/return_mean at every validation so far."""
         return np.array([h["val/return_mean"] for h in self.trainer.history if "val/return_mean" in h])
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.trainer.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this experiment is closed; build a new one (or GymGRPOExperiment.resume(...))")
-
-    def __enter__(self) -> GymGRPOExperiment:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -44,6 +44,7 @@ from nemo_like.utils.checkpoint import (
     load_train_state,
     restore_rng,
     save_train_state,
+    training_info,
 )
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.perf import throughput_metrics
@@ -309,11 +310,8 @@ class GRPOTrainer:
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
-        merged = {**self.last_val_metrics, **(metrics or {})}
-        # training_info.json is strict JSON: a NaN metric (e.g. a loss over zero tokens) is left out.
-        info = {"step": self.step_count,
-                "metrics": {k: float(v) for k, v in merged.items() if isinstance(v, (int, float)) and np.isfinite(v)}}
-        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
+        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
+                                                    training_info(self.step_count, self.last_val_metrics, metrics))
         self.policy.save_checkpoint(str(tmp / "policy"))
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
         # Async: the sampler as of the last trained batch; batches in flight are drawn again on resume.

@@ -35,7 +35,7 @@ from nemo_like.environments.supervision import EnvironmentStartError
 from nemo_like.experience.step_collector import CollectorGroup, Trajectory
 from nemo_like.gym_config import GymMasterConfig
 from nemo_like.models.agent import ObsBatch, build_network, obs_index
-from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.checkpoint import CheckpointManager, training_info
 from nemo_like.utils.checkpoint_io import CheckpointError, load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.timer import Timer
@@ -137,7 +137,7 @@ class GymGRPOTrainer:
         with timer.time("total"):
             # 1. The collectors get the weights of the latest update (version = updates so far).
             with timer.time("weight_sync"):
-                metrics["refit/bytes"] = self.collectors.push_weights(self.net.state_dict(), self.step_count)
+                metrics["refit/bytes"] = self.sync_weights()  # 0 when a validation just sent them
             # 2-3. K trajectories per reset seed; short and failed ones are dropped and their groups
             #      refilled from the same seed; only complete groups are kept.
             with timer.time("collect"):
@@ -273,10 +273,11 @@ class GymGRPOTrainer:
                 "train/zero_std_groups": float(flat),
                 "train/policy_version_lag": float(self.step_count - min(t.policy_version for t in trajs))}
 
-    def sync_weights(self) -> None:
-        """The collectors get the current weights, unless they have them already."""
-        if self.collectors.version != self.step_count:
-            self.collectors.push_weights(self.net.state_dict(), self.step_count)
+    def sync_weights(self) -> float:
+        """The collectors get the current weights, unless they have them already; the bytes sent."""
+        if self.collectors.version == self.step_count:
+            return 0.0
+        return self.collectors.push_weights(self.net.state_dict(), self.step_count)
 
     def validate(self, log: bool = False) -> dict[str, float]:
         """Greedy episodes on ``grpo.val_episodes`` held-out seeds with the current weights."""
@@ -302,10 +303,8 @@ class GymGRPOTrainer:
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
-        merged = {**self.last_val_metrics, **(metrics or {})}
-        info = {"step": self.step_count,
-                "metrics": {k: float(v) for k, v in merged.items() if isinstance(v, (int, float)) and np.isfinite(v)}}
-        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
+        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
+                                                    training_info(self.step_count, self.last_val_metrics, metrics))
         torch.save({"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "ref": self.ref_net.state_dict() if self.ref_net is not None else None}, tmp / AGENT_FILE)
         (tmp / "run_config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))

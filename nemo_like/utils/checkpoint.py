@@ -42,6 +42,7 @@ from nemo_like.utils.checkpoint_io import (
 from nemo_like.utils.dir_lock import DirLock, DirLockedError
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointingConfig", "DirLockedError", "load_train_state",
+           "training_info",
            "restore_rng", "save_train_state", "verify_checkpoint"]
 
 TRAINING_INFO = "training_info.json"
@@ -72,6 +73,16 @@ class CheckpointingConfig(BaseModel):
     @classmethod
     def _fspath(cls, value: Any) -> Any:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def training_info(step: int, *metric_dicts: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``training_info`` for :meth:`CheckpointManager.init_tmp_checkpoint`: the step and the merged
+    metrics (later dicts win). It is strict JSON, so a NaN metric (a loss over zero tokens) is left out."""
+    merged: dict[str, Any] = {}
+    for d in metric_dicts:
+        merged.update(d or {})
+    return {"step": int(step), "metrics": {k: float(v) for k, v in merged.items()
+                                           if isinstance(v, (int, float)) and math.isfinite(v)}}
 
 
 def _check_step(step: Any) -> int:
