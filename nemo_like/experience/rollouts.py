@@ -77,22 +77,33 @@ def calculate_rewards(message_logs: list[list[dict]], task_names: list[str], env
             ret: EnvironmentReturn = ray.get(fut, timeout=left)
         except ray.exceptions.GetTimeoutError:
             _restart(envs[task], fut)
-            err, key = f"step timed out after {step_timeouts[task]:g} s; actor restarted", "step_timeouts"
+            rets, m, err = call_failed(task, len(idx), f"step timed out after {step_timeouts[task]:g} s; actor restarted",
+                                       "step_timeouts")
         except Exception as e:  # a crashed grader must not end the run
-            err, key = first_line_of_error(e), "step_errors"
+            rets, m, err = call_failed(task, len(idx), first_line_of_error(e), "step_errors")
         else:
-            for j, i in enumerate(idx):
-                rewards[i] = float(ret.rewards[j])
-                returns[i] = EnvironmentReturn([ret.observations[j]], [ret.metadata[j]], [ret.next_stop_strings[j]],
-                                               ret.rewards[j : j + 1], ret.terminateds[j : j + 1], {})
-            for k, v in (ret.metrics or {}).items():
-                metrics[f"env/{task}/{k}"] = float(v)
-            continue
-        metrics[f"env/{task}/{key}"] = metrics.get(f"env/{task}/{key}", 0.0) + len(idx)
-        print(f"[nemo_like] environment {task!r} could not grade {len(idx)} samples (unscorable): {err}")
-        for i in idx:
-            rewards[i], errors[i] = math.nan, err
+            rets, m, err = split_return(task, ret, len(idx))
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+        for j, i in enumerate(idx):
+            returns[i], errors[i] = rets[j], err
+            rewards[i] = math.nan if rets[j] is None else float(rets[j].rewards[0])
     return rewards, returns, metrics, errors
+
+
+def split_return(task: str, ret: EnvironmentReturn, n: int
+                 ) -> tuple[list[EnvironmentReturn], dict[str, float], None]:
+    """One environment call's answer for ``n`` samples as n one-sample returns, and its metrics
+    named ``env/<task>/<key>``."""
+    rets = [EnvironmentReturn([ret.observations[j]], [ret.metadata[j]], [ret.next_stop_strings[j]],
+                              ret.rewards[j : j + 1], ret.terminateds[j : j + 1], {}) for j in range(n)]
+    return rets, {f"env/{task}/{k}": float(v) for k, v in (ret.metrics or {}).items()}, None
+
+
+def call_failed(task: str, n: int, err: str, key: str) -> tuple[list[None], dict[str, float], str]:
+    """A call that raised or timed out: its ``n`` samples are unscorable; counted as ``env/<task>/<key>``."""
+    print(f"[nemo_like] environment {task!r} could not grade {n} samples (unscorable): {err}")
+    return [None] * n, {f"env/{task}/{key}": float(n)}, err
 
 
 def _restart(actor: Any, fut: Any) -> None:
@@ -154,120 +165,160 @@ def observation_token_ids(tokenizer, observation: dict, *, assistant_ended_with_
     return torch.tensor(ids, dtype=torch.long)
 
 
+class Episodes:
+    """The per-sample state of a batch of multi-turn episodes: the turn-by-turn loop below and the
+    streaming rollout (``nemo_like.experience.streaming``, each episode's next turn starts as soon
+    as its environment answers) move it by the same rules.
+
+    A sample stops when its environment says terminated, when its observation or the next turn
+    would not fit in ``max_seq_len`` (truncated, counted; no row ever exceeds it), or after
+    ``max_turns`` assistant turns. Its reward is the sum of the rewards its environment gave; if
+    grading failed at any turn it is NaN (unscorable) and ``grading_error`` holds why. Environment
+    tokens are appended with loss off."""
+
+    def __init__(self, batch: BatchedDataDict, tokenizer, *, max_turns: int, max_seq_len: int):
+        n = self.n = len(batch["message_log"])
+        self.batch, self.tokenizer, self.max_turns, self.max_seq_len = batch, tokenizer, max_turns, max_seq_len
+        self.message_logs = [copy.copy(log) for log in batch["message_log"]]
+        self.env_infos = [copy.copy(m) for m in batch["extra_env_info"]]
+        self.task_names = list(batch["task_name"])
+        self.stop_strings: list[list[str] | None] = list(batch["stop_strings"]) if "stop_strings" in batch else [None] * n
+        self.rewards = torch.zeros(n, dtype=torch.float32)
+        self.grading_errors: list[str | None] = [None] * n
+        self.lengths = [sum(len(m["token_ids"]) for m in log) for log in self.message_logs]
+        self.turns = torch.zeros(n, dtype=torch.long)
+        self.truncated = torch.zeros(n, dtype=torch.bool)
+        self.terminated = torch.zeros(n, dtype=torch.bool)
+        self.gen_lengths = torch.zeros(n, dtype=torch.long)
+        self.ended_eos = [False] * n  # the last assistant turn ended with EOS (its closer is shorter)
+        # The oldest weights version any turn was generated with (a separate rollout group reports it).
+        self.versions: list[int | None] = [None] * n
+        self.env_metrics: dict[str, list[tuple[float, int]]] = {}
+
+    def wants_turn(self, i: int) -> bool:
+        """Whether sample i gets another assistant turn; no room for even one new token: the sample
+        is over, truncated."""
+        if self.turns[i] >= self.max_turns:
+            return False
+        if self.lengths[i] >= self.max_seq_len:
+            self.truncated[i] = True
+            return False
+        return True
+
+    def prompt_ids(self, i: int) -> torch.Tensor:
+        ids = [m["token_ids"] for m in self.message_logs[i]]
+        return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+
+    def add_turn(self, i: int, ids: torch.Tensor, logprobs: torch.Tensor, *, hit_limit: bool,
+                 version: int | None = None) -> None:
+        """Append the assistant's turn (``hit_limit``: it hit its token cap; the environment still
+        decides whether the episode goes on)."""
+        self.message_logs[i].append({"role": "assistant",
+                                     "content": self.tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+                                     "token_ids": ids, "generation_logprobs": logprobs})
+        self.turns[i] += 1
+        self.gen_lengths[i] += len(ids)
+        self.lengths[i] += len(ids)
+        self.ended_eos[i] = len(ids) > 0 and int(ids[-1]) == self.tokenizer.eos_token_id
+        if version is not None:
+            self.versions[i] = version if self.versions[i] is None else min(self.versions[i], version)
+        if hit_limit:
+            self.truncated[i] = True
+
+    def apply_return(self, i: int, ret: EnvironmentReturn | None, error: str | None) -> bool:
+        """Take the environment's answer to sample i's last turn; whether the episode goes on (its
+        observation is then appended)."""
+        if ret is None:  # grading failed: unscorable (counted where the call was made)
+            self.rewards[i], self.grading_errors[i] = math.nan, error
+            self.terminated[i] = True
+            return False
+        self.rewards[i] += float(ret.rewards[0])
+        if ret.metadata[0] is not None:
+            self.env_infos[i] = ret.metadata[0]
+        if bool(ret.terminateds[0]):
+            self.terminated[i] = True
+            return False
+        obs_ids = observation_token_ids(self.tokenizer, ret.observations[0], assistant_ended_with_eos=self.ended_eos[i])
+        if self.lengths[i] + len(obs_ids) >= self.max_seq_len:
+            # The observation would overflow the row (or leave no room to answer it): the episode
+            # ends here, truncated, rather than a training row longer than the model's limit.
+            self.truncated[i] = True
+            return False
+        self.lengths[i] += len(obs_ids)
+        self.message_logs[i].append(dict(ret.observations[0]) | {"token_ids": obs_ids})
+        self.stop_strings[i] = ret.next_stop_strings[0]
+        return True
+
+    def add_env_metrics(self, metrics: dict[str, float], weight: int = 1) -> None:
+        for k, v in metrics.items():
+            self.env_metrics.setdefault(k, []).append((float(v), weight))
+
+    def result(self, generation_s: float) -> tuple[BatchedDataDict, dict[str, float]]:
+        n = self.n
+        out = BatchedDataDict(self.batch)
+        out["message_log"] = self.message_logs
+        out["extra_env_info"] = self.env_infos
+        out["total_reward"] = self.rewards
+        out["grading_error"] = self.grading_errors
+        out["truncated"] = self.truncated
+        out["generation_lengths"] = self.gen_lengths
+        out["num_turns"] = self.turns
+        if n and all(v is not None for v in self.versions):
+            out["policy_version"] = torch.tensor(self.versions, dtype=torch.long)
+        metrics = {
+            "response_length_mean": float(self.gen_lengths.float().mean()) if n else 0.0,
+            "truncation_rate": float(self.truncated.float().mean()) if n else 0.0,
+            "turns_per_sample": float(self.turns.float().mean()) if n else 0.0,
+            "unterminated_rate": float((~self.terminated).float().mean()) if n else 0.0,
+            "generation_s": generation_s,
+        }
+        # Counters ("num_*", "step_errors", "step_timeouts") add up over calls; rates and accuracies
+        # are averaged over the calls, each weighing what it was given.
+        for k, vs in self.env_metrics.items():
+            metrics[k] = (sum(v for v, _ in vs) if _is_counter(k)
+                          else sum(v * w for v, w in vs) / max(sum(w for _, w in vs), 1))
+        return out, metrics
+
+
 def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, tokenizer, envs: dict[str, Any],
                            *, max_turns: int, max_seq_len: int, greedy: bool = False,
                            step_timeouts: dict[str, float] | None = None
                            ) -> tuple[BatchedDataDict, dict[str, float]]:
-    """Generate, let each sample's environment answer, append its observation, repeat.
+    """Generate, let each sample's environment answer, append its observation, repeat (the rules:
+    :class:`Episodes`). Single-turn tasks take exactly one turn.
 
-    A sample stops when its environment says terminated, when its observation or the next turn
-    would not fit in `max_seq_len` (truncated, counted; no row ever exceeds it), or after
-    `max_turns` assistant turns. Its reward is the sum of the rewards its environment gave; if
-    grading failed at any turn it is NaN (unscorable) and ``grading_error`` holds why.
-    Environment tokens are appended with loss off. Single-turn tasks take exactly one turn.
+    A generator that streams episodes (``generator.streams_episodes()``: the continuous engine in
+    one process) runs them there instead: an episode's next turn is admitted as soon as its
+    environment answers, while the others keep decoding. Otherwise turn by turn: every active
+    sample's turn is generated, then all are graded, then the next turn starts.
     """
-    n = len(batch["message_log"])
-    message_logs = [copy.copy(log) for log in batch["message_log"]]
-    env_infos = [copy.copy(m) for m in batch["extra_env_info"]]
-    task_names = list(batch["task_name"])
-    stop_strings: list[list[str] | None] = list(batch["stop_strings"]) if "stop_strings" in batch else [None] * n
-    rewards = torch.zeros(n, dtype=torch.float32)
-    grading_errors: list[str | None] = [None] * n
-    lengths = [sum(len(m["token_ids"]) for m in log) for log in message_logs]
-    turns = torch.zeros(n, dtype=torch.long)
-    truncated = torch.zeros(n, dtype=torch.bool)
-    terminated = torch.zeros(n, dtype=torch.bool)
-    gen_lengths = torch.zeros(n, dtype=torch.long)
-    env_metrics: dict[str, list[float]] = {}
-    # The oldest weights version any turn was generated with (a separate rollout group reports it).
-    versions: list[int | None] = [None] * n
-    active = list(range(n))
-    eos = tokenizer.eos_token_id
+    if getattr(policy, "streams_episodes", lambda: False)():
+        return policy.generate_episodes(batch, envs, max_turns=max_turns, max_seq_len=max_seq_len,
+                                        greedy=greedy, step_timeouts=step_timeouts)
+    ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
+    active = list(range(ep.n))
     generation_s = 0.0
-    for _turn in range(max_turns):
+    while active:
+        active = [i for i in active if ep.wants_turn(i)]
         if not active:
             break
-        flat = flatten_message_logs([message_logs[i] for i in active], tokenizer.pad_token_id)
-        # No room for even one new token: the sample is over, truncated.
-        room = flat["input_lengths"] < max_seq_len
-        for j, i in enumerate(active):
-            if not room[j]:
-                truncated[i] = True
-        active = [i for j, i in enumerate(active) if room[j]]
-        if not active:
-            break
-        flat = flatten_message_logs([message_logs[i] for i in active], tokenizer.pad_token_id)
+        flat = flatten_message_logs([ep.message_logs[i] for i in active], tokenizer.pad_token_id)
         gen_in = BatchedDataDict(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
-        if any(stop_strings[i] for i in active):
-            gen_in["stop_strings"] = [stop_strings[i] for i in active]
+        if any(ep.stop_strings[i] for i in active):
+            gen_in["stop_strings"] = [ep.stop_strings[i] for i in active]
         t0 = time.perf_counter()
         gen = policy.generate(gen_in, greedy=greedy)
         generation_s += time.perf_counter() - t0
-        ended_eos = []
         for j, i in enumerate(active):
             start, end = int(flat["input_lengths"][j]), int(gen["unpadded_sequence_lengths"][j])
-            ids = gen["output_ids"][j, start:end].clone()
-            message_logs[i].append({"role": "assistant", "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
-                                    "token_ids": ids, "generation_logprobs": gen["logprobs"][j, start:end].clone()})
-            turns[i] += 1
-            gen_lengths[i] += end - start
-            lengths[i] += end - start
-            ended_eos.append(len(ids) > 0 and int(ids[-1]) == eos)
-            if "policy_version" in gen:
-                v = int(gen["policy_version"][j])
-                versions[i] = v if versions[i] is None else min(versions[i], v)
-            if bool(gen["truncated"][j]):  # hit the per-turn token cap; the environment still decides
-                truncated[i] = True
-        _, returns, m, errors = calculate_rewards([message_logs[i] for i in active], [task_names[i] for i in active],
-                                                  [env_infos[i] for i in active], envs, step_timeouts)
-        for k, v in m.items():
-            env_metrics.setdefault(k, []).append(v)
-        still = []
-        for j, i in enumerate(active):
-            ret = returns[j]
-            if ret is None:  # grading failed: unscorable (counted in calculate_rewards)
-                rewards[i], grading_errors[i] = math.nan, errors[j]
-                terminated[i] = True
-                continue
-            rewards[i] += float(ret.rewards[0])
-            if ret.metadata[0] is not None:
-                env_infos[i] = ret.metadata[0]
-            if bool(ret.terminateds[0]):
-                terminated[i] = True
-                continue
-            obs_ids = observation_token_ids(tokenizer, ret.observations[0], assistant_ended_with_eos=ended_eos[j])
-            if lengths[i] + len(obs_ids) >= max_seq_len:
-                # The observation would overflow the row (or leave no room to answer it): the episode
-                # ends here, truncated, rather than a training row longer than the model's limit.
-                truncated[i] = True
-                continue
-            lengths[i] += len(obs_ids)
-            obs = dict(ret.observations[0]) | {"token_ids": obs_ids}
-            message_logs[i].append(obs)
-            stop_strings[i] = ret.next_stop_strings[0]
-            still.append(i)
-        active = still
-    out = BatchedDataDict(batch)
-    out["message_log"] = message_logs
-    out["extra_env_info"] = env_infos
-    out["total_reward"] = rewards
-    out["grading_error"] = grading_errors
-    out["truncated"] = truncated
-    out["generation_lengths"] = gen_lengths
-    out["num_turns"] = turns
-    if n and all(v is not None for v in versions):
-        out["policy_version"] = torch.tensor(versions, dtype=torch.long)
-    metrics = {
-        "response_length_mean": float(gen_lengths.float().mean()) if n else 0.0,
-        "truncation_rate": float(truncated.float().mean()) if n else 0.0,
-        "turns_per_sample": float(turns.float().mean()) if n else 0.0,
-        "unterminated_rate": float((~terminated).float().mean()) if n else 0.0,
-        "generation_s": generation_s,
-    }
-    # Counters ("num_*", "step_errors", "step_timeouts") add up over turns; rates and accuracies are averaged.
-    for k, vs in env_metrics.items():
-        metrics[k] = sum(vs) if _is_counter(k) else sum(vs) / len(vs)
-    return out, metrics
+            ep.add_turn(i, gen["output_ids"][j, start:end].clone(), gen["logprobs"][j, start:end].clone(),
+                        hit_limit=bool(gen["truncated"][j]),
+                        version=int(gen["policy_version"][j]) if "policy_version" in gen else None)
+        _, returns, m, errors = calculate_rewards([ep.message_logs[i] for i in active], [ep.task_names[i] for i in active],
+                                                  [ep.env_infos[i] for i in active], envs, step_timeouts)
+        ep.add_env_metrics(m)
+        active = [i for j, i in enumerate(active) if ep.apply_return(i, returns[j], errors[j])]
+    return ep.result(generation_s)
 
 
 def _is_counter(key: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import Protocol
 
 import torch
 
@@ -230,6 +231,19 @@ class _Slots:
         if not keep:
             self.length = 0
 
+    def grow(self, columns: int) -> None:
+        """Reallocate the buffers with ``columns`` columns (the rows' tokens stay where they are)."""
+        L = self.length
+        for layer in self.cache.layers:
+            for name in ("keys_buf", "values_buf"):
+                old = getattr(layer, name)
+                new = old.new_zeros((old.shape[0], old.shape[1], columns, old.shape[3]))
+                new[:, :, :L] = old[:, :, :L]
+                setattr(layer, name, new)
+        valid = self.valid.new_zeros((self.valid.shape[0], columns))
+        valid[:, :L] = self.valid[:, :L]
+        self.valid, self.columns = valid, columns
+
     def compact(self) -> None:
         """Pack each row's real tokens into the first columns (when the columns run out: the buffer
         holds a whole sample and more, so this is rare)."""
@@ -255,76 +269,144 @@ def _buffer(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return like.new_zeros((rows, like.shape[1], columns, like.shape[3]))
 
 
-class ContinuousBatcher:
-    """One `generate` call's requests, decoded over `slots` rows of a shared cache."""
+class RequestSource(Protocol):
+    """What feeds a streaming `ContinuousBatcher.run`: requests that arrive while others decode (the
+    next turns of multi-turn episodes, once their environment answers)."""
 
-    def __init__(self, model, tokenizer, data: BatchedDataDict, cfg: GenerationConfig, *, greedy: bool,
+    def poll(self, batcher: ContinuousBatcher, block: bool) -> None:
+        """Add the requests ready now with ``batcher.add``; ``block``: nothing is decoding, so wait
+        until at least one is ready or none will ever come."""
+
+    def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None:
+        """These requests have ended (their tokens: ``batcher.result(r)``)."""
+
+    def exhausted(self) -> bool:
+        """No request will come any more."""
+
+
+class ContinuousBatcher:
+    """One `generate` call's requests (or a `RequestSource`'s), decoded over `slots` rows of a shared
+    cache. Per-request storage (prompt, budget, tokens, log-probs) grows as requests are added."""
+
+    def __init__(self, model, tokenizer, data: BatchedDataDict | None, cfg: GenerationConfig, *, greedy: bool,
                  max_total_length: int, slots: int, device: torch.device):
         from transformers import DynamicCache
 
         self._new_cache = lambda: DynamicCache(config=model.config)
         self.model, self.cfg, self.greedy, self.device = model, cfg, greedy, device
-        self.input_ids = data["input_ids"]
-        self.input_dev = self.input_ids.to(device)
-        self.lengths = data["input_lengths"].long()
+        self.tokenizer, self.max_total_length = tokenizer, max_total_length
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-        self.tokenizer = tokenizer
-        budgets = token_budgets(self.lengths, cfg, max_total_length)
-        pos_limit = position_limit(model)
-        if pos_limit is not None:  # learned absolute positions: a row may not run past the table
-            budgets = torch.minimum(budgets, (pos_limit - self.lengths).clamp(min=1))
-        self.budgets = budgets.to(device)
-        B = self.input_ids.shape[0]
-        self.slots = max(1, min(slots, B))
-        self.max_budget = int(budgets.max()) if B else 0
-        # Room for the longest sample, and a quarter of a budget more: refills push the columns on, and
-        # packing them (one copy of the cache) every budget/4 steps costs little next to the steps.
-        longest = int(self.lengths.max()) + self.max_budget if B else 1
-        self.columns = longest + max(self.max_budget // 4, 16)
-        self.arange = torch.arange(max(self.columns, B) + 1, device=device)
-        # Per request: generated tokens and log-probs, written at (request, step) as rows advance.
-        self.tokens = torch.full((B, self.max_budget), self.pad_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros((B, self.max_budget), dtype=torch.float32, device=device)
-        self.gen_len = torch.zeros(B, dtype=torch.long, device=device)
-        self.ended = torch.zeros(B, dtype=torch.bool, device=device)  # EOS or a stop string
-        self._init_stops(data, tokenizer, device)
+        self.pos_limit = position_limit(model)
         fwd = inspect.signature(_base(model).forward).parameters
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in fwd else {}
         self.slots_state: _Slots | None = None
+        self.count = 0  # requests added
+        self.pending: list[int] = []  # added, not yet prefilled
+        self.stops: list[tuple[str, ...]] = []
+        self._all_stops: set[str] = set()
+        self.candidates, self.window = None, 0
+        self._just_finished: list[torch.Tensor] = []
+        self._track = False  # a source wants to hear of finished requests
+        if data is None:  # streaming: requests of any length up to the sequence limit come later
+            B = 0
+            self.max_budget = max(1, min(cfg.max_new_tokens, max_total_length - 1))
+            self.slots = max(1, slots)
+            self.columns = 16  # grown to what admitted rows need
+            ids, lengths, per = torch.zeros((0, 1), dtype=torch.long), torch.zeros(0, dtype=torch.long), []
+        else:
+            ids, lengths = data["input_ids"], data["input_lengths"].long()
+            B = ids.shape[0]
+            per = list(data["stop_strings"]) if "stop_strings" in data else [None] * B
+            budgets = token_budgets(lengths, cfg, max_total_length)
+            self.max_budget = int(budgets.max()) if B else 0
+            self.slots = max(1, min(slots, B))
+            # Room for the longest sample, and a quarter of a budget more: refills push the columns on,
+            # and packing them (one copy of the cache) every budget/4 steps costs little next to the steps.
+            longest = int(lengths.max()) + self.max_budget if B else 1
+            self.columns = longest + max(self.max_budget // 4, 16)
+        self.input_ids = ids[:0]
+        self.input_dev = self.input_ids.to(device)
+        self.lengths = lengths[:0]
+        self.budgets = torch.zeros(0, dtype=torch.long, device=device)
+        # Per request: generated tokens and log-probs, written at (request, step) as rows advance.
+        self.tokens = torch.full((0, self.max_budget), self.pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((0, self.max_budget), dtype=torch.float32, device=device)
+        self.gen_len = torch.zeros(0, dtype=torch.long, device=device)
+        self.ended = torch.zeros(0, dtype=torch.bool, device=device)  # EOS or a stop string
+        self.has_stop = torch.zeros(0, dtype=torch.bool, device=device)
+        self.arange = torch.arange(max(self.columns, B, max_total_length) + 1, device=device)
+        if B:
+            self.add(ids, lengths, per)
 
-    def _init_stops(self, data: BatchedDataDict, tokenizer, device: torch.device) -> None:
-        B = self.input_ids.shape[0]
-        per = list(data["stop_strings"]) if "stop_strings" in data else [None] * B
+    def add(self, input_ids: torch.Tensor, lengths: torch.Tensor, stop_strings: list) -> list[int]:
+        """Queue requests ([k, T] right padded, [k] lengths, k stop-string lists or None); their ids."""
+        k = len(lengths)
+        lengths = lengths.long().cpu()
+        budgets = token_budgets(lengths, self.cfg, self.max_total_length).clamp(max=self.max_budget)
+        if self.pos_limit is not None:  # learned absolute positions: a row may not run past the table
+            budgets = torch.minimum(budgets, (self.pos_limit - lengths).clamp(min=1))
+        width = max(self.input_ids.shape[1], input_ids.shape[1])
+        pad = lambda t, w: torch.nn.functional.pad(t, (0, w - t.shape[1]), value=self.pad_id)  # noqa: E731
+        self.input_ids = torch.cat([pad(self.input_ids, width), pad(input_ids.long().cpu(), width)])
+        self.input_dev = self.input_ids.to(self.device) if self.count == 0 or width != self.input_dev.shape[1] \
+            else torch.cat([self.input_dev, self.input_ids[self.count:].to(self.device)])
+        self.lengths = torch.cat([self.lengths, lengths])
+        dev = self.device
+        self.budgets = torch.cat([self.budgets, budgets.to(dev)])
+        self.tokens = torch.cat([self.tokens, torch.full((k, self.max_budget), self.pad_id, dtype=torch.long, device=dev)])
+        self.logprobs = torch.cat([self.logprobs, torch.zeros((k, self.max_budget), device=dev)])
+        self.gen_len = torch.cat([self.gen_len, torch.zeros(k, dtype=torch.long, device=dev)])
+        self.ended = torch.cat([self.ended, torch.zeros(k, dtype=torch.bool, device=dev)])
         common = set(self.cfg.stop_strings or [])
-        self.stops: list[tuple[str, ...]] = [tuple(sorted(set(s or []) | common)) for s in per]
-        self.has_stop = torch.tensor([bool(s) for s in self.stops], dtype=torch.bool, device=device)
-        all_stops = {s for ss in self.stops for s in ss}
-        self.candidates = None
-        self.window = 0
-        if all_stops:
+        stops = [tuple(sorted(set(s or []) | common)) for s in stop_strings]
+        self.stops += stops
+        self.has_stop = torch.cat([self.has_stop, torch.tensor([bool(s) for s in stops], dtype=torch.bool, device=dev)])
+        if new := {s for ss in stops for s in ss} - self._all_stops:
+            self._all_stops |= new
             vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
-            self.candidates = _stop_candidates(tokenizer, all_stops, vocab, device)
+            self.candidates = _stop_candidates(self.tokenizer, self._all_stops, vocab, dev)
             # A stop string of c characters spans at most 4c tokens (a byte-level token can hold a
             # quarter of a UTF-8 character); one more for a token that ends past it.
-            self.window = 4 * max(len(s) for s in all_stops) + 1
+            self.window = 4 * max(len(s) for s in self._all_stops) + 1
+        ids = list(range(self.count, self.count + k))
+        self.count += k
+        self.pending += ids
+        return ids
+
+    def result(self, req: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """A request's generated tokens, their log-probs (CPU), and whether it ended by EOS or a stop
+        string (else it hit its token budget)."""
+        n = int(self.gen_len[req])
+        # Copies, not views: a view would keep (and pickle) the whole per-request buffer.
+        return self.tokens[req, :n].cpu().clone(), self.logprobs[req, :n].cpu().clone(), bool(self.ended[req])
 
     # ---- the loop -----------------------------------------------------------------------------
-    def run(self) -> BatchedDataDict:
-        B = self.input_ids.shape[0]
-        queue = 0
+    def run(self, source: RequestSource | None = None) -> BatchedDataDict | None:
+        """Decode until every request has ended (and, with a ``source``, until it is exhausted).
+        Without a source, the outputs of `generate`'s contract."""
+        self._track = source is not None
         while True:
+            if source is not None:
+                source.poll(self, block=False)
             n = self.slots_state.n if self.slots_state is not None else 0
             free = self.slots - n
-            if queue < B and free >= min(B - queue, max(1, int(self.slots * REFILL_FRACTION))):
-                take = min(free, B - queue)
-                self._prefill(self.arange[queue : queue + take])
-                queue += take
-                continue  # the prefill may have ended rows (budget 1, EOS first)
-            if not n:
+            waiting = len(self.pending)
+            if waiting and free >= min(waiting, max(1, int(self.slots * REFILL_FRACTION))):
+                take, self.pending = self.pending[:free], self.pending[free:]
+                self._prefill(torch.tensor(take, device=self.device))
+            elif n:
+                self._decode(self.slots_state)
+            elif source is None or source.exhausted():
                 break
-            self._decode(self.slots_state)
-        return self._outputs()
+            else:
+                source.poll(self, block=True)
+                continue
+            if source is not None and self._just_finished:
+                done = torch.cat(self._just_finished).tolist()
+                self._just_finished = []
+                source.finished(self, done)
+        return None if source is not None else self._outputs()
 
     def _record(self, req: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
         """Store each row's new token; which rows ended with it."""
@@ -337,7 +419,10 @@ class ContinuousBatcher:
         if self.candidates is not None:
             ended |= self._stopped(req, tok, step)
         self.ended[req] = ended
-        return ended | (step >= self.budgets[req])
+        done = ended | (step >= self.budgets[req])
+        if self._track:
+            self._just_finished.append(req[done])
+        return done
 
     def _stopped(self, req: torch.Tensor, tok: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """Rows whose generated text now holds one of their stop strings (only candidate rows are
@@ -380,8 +465,14 @@ class ContinuousBatcher:
         go_on = ~self._record(req, tok, lp)
         if not bool(go_on.any()):
             return
+        # A row needs a column for each of its tokens but the last sampled one (compaction packs them).
+        need = int((lens + self.budgets[req])[go_on].max())
         if self.slots_state is None:
+            self.columns = max(self.columns, need + max(self.max_budget // 4, 16))
             self.slots_state = _Slots(self.model, self.slots, self.columns, cache, self.device)
+        elif need > self.slots_state.columns:  # streaming: a later turn's longer prompt
+            self.columns = need + max(self.max_budget // 4, 16)
+            self.slots_state.grow(self.columns)
         # Row r's cache is its distinct prompt's (unique sorts): GRPO's repeats copy rows, not work.
         rows = inv[go_on]
         self.slots_state.admit(req[go_on], tok[go_on], lens[go_on], u_mask[rows],

@@ -33,6 +33,11 @@ class GenerationConfig(BaseModel):
     # (collectives in every forward) and models whose cache rows cannot be moved freely (sliding-window,
     # recurrent layers) always use "generate".
     engine: Literal["generate", "continuous"] = "continuous"
+    # Multi-turn rollouts with the continuous engine in one process (one training rank, or each rollout
+    # worker): an episode's next turn is admitted as soon as its environment answers, while the other
+    # rows keep decoding (nemo_like/experience/streaming.py). False: turn by turn, every sample's turn
+    # generated, then all graded.
+    stream_episodes: bool = True
     # Rows decoded together by the continuous engine; None: policy.generation_batch_size.
     max_num_seqs: int | None = Field(None, gt=0)
     # True: generate inside the training workers (same weights, nothing to send; one device). False: a
@@ -61,6 +66,17 @@ class GenerationInterface(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict: ...
+
+    def streams_episodes(self) -> bool:
+        """Whether ``generate_episodes`` runs whole multi-turn rollouts where the model is."""
+        return False
+
+    def generate_episodes(self, batch: BatchedDataDict, envs: dict, *, max_turns: int, max_seq_len: int,
+                          greedy: bool = False, step_timeouts: dict[str, float] | None = None
+                          ) -> tuple[BatchedDataDict, dict[str, float]]:
+        """``run_multi_turn_rollout``'s result, with each episode's next turn started as soon as its
+        environment answers (only where ``streams_episodes()``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream episodes")
 
     def prepare_for_generation(self) -> None:
         return None

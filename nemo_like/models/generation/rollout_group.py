@@ -47,6 +47,8 @@ from nemo_like.config import GenerationClusterConfig
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
+from nemo_like.experience.rollouts import run_split_rollout
+from nemo_like.experience.streaming import EPISODE_KEYS, with_episodes
 from nemo_like.models.generation.interfaces import GenerationInterface
 from nemo_like.models.generation.rollout_worker import GENERATE_KEYS, RolloutWorker
 from nemo_like.models.policy.interfaces import PolicyConfig
@@ -106,6 +108,7 @@ class RolloutGroup(GenerationInterface):
                  transport: WeightTransport | None = None, worker_cls: type = RolloutWorker,
                  name_prefix: str = "rollout"):
         self.cfg = policy_config
+        self.worker_cls = worker_cls
         self.transport = transport or ObjectStoreTransport()
         gpus = cluster_config.gpus_per_worker
         self.cluster = RayVirtualCluster(cluster_config.num_workers, cpus_per_worker=cluster_config.cpus_per_worker,
@@ -158,6 +161,22 @@ class RolloutGroup(GenerationInterface):
 
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         return self.collect(self.generate_async(data, greedy=greedy))
+
+    def streams_episodes(self) -> bool:
+        g = self.cfg.generation
+        return (g.engine == "continuous" and g.stream_episodes
+                and callable(getattr(self.worker_cls, "generate_episodes", None)))
+
+    def generate_episodes(self, batch: BatchedDataDict, envs: dict, **kwargs: Any) -> tuple[BatchedDataDict, dict[str, float]]:
+        """Each worker streams its share of the episodes (dealt round-robin, results in batch order)."""
+        sub = BatchedDataDict({k: batch[k] for k in EPISODE_KEYS if k in batch})
+
+        def on(rank: int):
+            handle = self.workers.workers[rank]
+            return lambda b: self._get(handle.generate_episodes.remote(b, envs, **kwargs), rank, "generate_episodes")
+
+        out, metrics = run_split_rollout(sub, [on(r) for r in range(self.num_workers)])
+        return with_episodes(batch, out), metrics
 
     def finish_generation(self) -> None:
         if self._on_gpu:

@@ -19,6 +19,7 @@ import ray
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
 from nemo_like.models.policy.interfaces import PolicyConfig
@@ -61,15 +62,27 @@ class RolloutWorker:
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         """Policy.generate's contract, plus ``policy_version`` [B] (int64): the refit version of the
         weights that generated each sample."""
-        if self._dirty:
-            raise RuntimeError(f"rollout worker {self.rank}: the last weight update failed part way "
-                               f"({self._dirty}); its weights are a mix of two versions, refit before generating")
+        self._check_clean()
         sub = BatchedDataDict({k: data[k] for k in GENERATE_KEYS if k in data})
         out = hf_generate(self.model, self.tokenizer, sub, self.cfg.generation, greedy=greedy,
                           max_total_length=self.cfg.max_total_sequence_length,
                           micro_batch_size=self.cfg.generation_batch_size, synced=False, device=self.device)
         out["policy_version"] = torch.full((out.size,), self._version, dtype=torch.int64)
         return out
+
+    def generate_episodes(self, data: BatchedDataDict, envs: dict, **kwargs) -> tuple[BatchedDataDict, dict[str, float]]:
+        """``stream_episodes`` on this worker's model; every turn records this worker's version (a
+        refit waits for the call to end: actor calls run one at a time)."""
+        self._check_clean()
+        return stream_episodes(self.model, self.tokenizer, data, envs, self.cfg.generation,
+                               max_total_length=self.cfg.max_total_sequence_length,
+                               slots=self.cfg.generation.max_num_seqs or self.cfg.generation_batch_size,
+                               device=self.device, version=self._version, **kwargs)
+
+    def _check_clean(self) -> None:
+        if self._dirty:
+            raise RuntimeError(f"rollout worker {self.rank}: the last weight update failed part way "
+                               f"({self._dirty}); its weights are a mix of two versions, refit before generating")
 
     # ---- refit --------------------------------------------------------------------------------
     @torch.no_grad()

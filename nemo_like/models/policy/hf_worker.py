@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.policy import weight_export
 from nemo_like.models.policy.interfaces import PolicyConfig
@@ -200,6 +201,18 @@ class HFPolicyWorker:
             finally:
                 self.model.train()
         return out
+
+    def generate_episodes(self, data: BatchedDataDict, envs: dict, **kwargs: Any):
+        """``stream_episodes`` on this worker's model (one rank: ``Policy.streams_episodes``)."""
+        self.model.eval()
+        with self._gathered():
+            try:
+                return stream_episodes(self.model, self.tokenizer, data, envs, self.cfg.generation,
+                                       max_total_length=self.cfg.max_total_sequence_length,
+                                       slots=self.cfg.generation.max_num_seqs or self.cfg.generation_batch_size,
+                                       device=self.device, **kwargs)
+            finally:
+                self.model.train()
 
     @contextmanager
     def _gathered(self):

@@ -17,6 +17,7 @@ import torch
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
+from nemo_like.experience.streaming import EPISODE_KEYS, with_episodes
 from nemo_like.models.generation.interfaces import GenerationInterface
 from nemo_like.models.policy.hf_worker import HFPolicyWorker
 from nemo_like.models.policy.interfaces import PolicyConfig, PolicyInterface
@@ -57,6 +58,17 @@ class Policy(PolicyInterface, GenerationInterface):
             raise KeyError(f"Policy.generate needs keys {sorted(keys)}; missing {sorted(missing)}")
         sub = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "stop_strings") if k in data})
         return self._run_sharded("generate", sub, greedy=greedy)
+
+    def streams_episodes(self) -> bool:
+        # FSDP over several ranks needs every rank in lock step, which per-episode turns are not.
+        g = self.cfg.generation
+        return g.engine == "continuous" and g.stream_episodes and self.world_size == 1
+
+    def generate_episodes(self, batch: BatchedDataDict, envs: dict, **kwargs: Any) -> tuple[BatchedDataDict, dict[str, float]]:
+        sub = BatchedDataDict({k: batch[k] for k in EPISODE_KEYS if k in batch})
+        out, metrics = self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("generate_episodes", sub, envs, **kwargs))[0]
+        return with_episodes(batch, out), metrics
 
     @staticmethod
     def _logprob_inputs(data: BatchedDataDict) -> BatchedDataDict:

@@ -1,0 +1,172 @@
+"""Streaming multi-turn rollouts: an episode's next turn starts as soon as its environment answers.
+
+The turn-by-turn loop (:func:`nemo_like.experience.rollouts.run_multi_turn_rollout`) generates
+every active sample's turn, waits for the slowest, grades them all, and only then starts the next
+turn: a tool that waits on I/O stalls the whole batch once per turn, and so does the batch's
+longest answer. Here the continuous engine (``models/generation/engine.py``) is fed by an
+:class:`EpisodeStream`: a sample whose turn ends goes to its environment while the other rows keep
+decoding, and the environment's answer comes back as a new request (the conversation so far,
+prefilled again: the tiny and SmolLM2-sized models prefill a turn in one forward), admitted into
+the next free rows.
+
+Environment calls are batched per task: at most one call per environment is in flight; samples
+that end their turn meanwhile wait for it to return and then go together. The per-call time limit,
+the restart of a hung actor and the unscorable-sample rules are those of ``calculate_rewards``.
+
+This runs in the process that holds the model (a training worker with one rank, or a rollout
+worker) and calls the environment actors from there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import ray
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.environments.supervision import first_line_of_error
+from nemo_like.experience.rollouts import Episodes, _restart, call_failed, run_multi_turn_rollout, split_return
+from nemo_like.models.generation.engine import ContinuousBatcher, unsupported_reason
+from nemo_like.models.generation.hf_generation import hf_generate
+from nemo_like.models.generation.interfaces import GenerationConfig, GenerationInterface
+
+# What a streamed rollout needs of a batch; its other fields stay with the caller.
+EPISODE_KEYS = ("message_log", "extra_env_info", "task_name", "stop_strings")
+
+
+def with_episodes(batch: BatchedDataDict, episodes: BatchedDataDict) -> BatchedDataDict:
+    """``batch`` with the fields of a streamed rollout of its ``EPISODE_KEYS``."""
+    out = BatchedDataDict(batch)
+    out.update(episodes)
+    return out
+
+
+class EpisodeStream:
+    """The engine's request source for a batch of episodes (``RequestSource`` of the engine)."""
+
+    def __init__(self, episodes: Episodes, envs: dict[str, Any], step_timeouts: dict[str, float] | None,
+                 version: int | None = None):
+        self.ep, self.envs, self.version = episodes, envs, version
+        self.limits = step_timeouts or {}
+        for task in set(episodes.task_names) - set(envs):
+            raise KeyError(f"no environment for task {task!r}; configured: {sorted(envs)}")
+        self.ready = list(range(episodes.n))  # episodes whose next turn can be queued
+        self.request_of: dict[int, int] = {}  # engine request -> episode
+        self.to_grade: dict[str, list[int]] = {}
+        self.in_flight: dict[str, tuple[ray.ObjectRef, list[int], float | None]] = {}
+        self.env_wait_s = 0.0  # nothing decoding, only environments working
+        self.num_calls = 0
+
+    # ---- RequestSource ------------------------------------------------------------------------
+    def poll(self, batcher: ContinuousBatcher, block: bool) -> None:
+        self._collect(wait=False)
+        while block and not self.ready and self.in_flight:
+            t0 = time.perf_counter()
+            self._collect(wait=True)
+            self.env_wait_s += time.perf_counter() - t0
+        ready = [i for i in self.ready if self.ep.wants_turn(i)]
+        self.ready = []
+        if ready:
+            rows = [self.ep.prompt_ids(i) for i in ready]
+            ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=batcher.pad_id)
+            lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+            reqs = batcher.add(ids, lengths, [self.ep.stop_strings[i] for i in ready])
+            self.request_of.update(zip(reqs, ready))
+
+    def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None:
+        for r in requests:
+            i = self.request_of.pop(r)
+            ids, logprobs, ended = batcher.result(r)
+            self.ep.add_turn(i, ids, logprobs, hit_limit=not ended, version=self.version)
+            self.to_grade.setdefault(self.ep.task_names[i], []).append(i)
+        self._dispatch()
+
+    def exhausted(self) -> bool:
+        return not self.ready and not self.in_flight and not any(self.to_grade.values())
+
+    # ---- environment calls --------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Send each task's waiting samples in one call, unless that task has a call in flight."""
+        ep = self.ep
+        for task, idx in self.to_grade.items():
+            if not idx or task in self.in_flight:
+                continue
+            ref = self.envs[task].step.remote([ep.message_logs[i] for i in idx], [ep.env_infos[i] for i in idx])
+            limit = self.limits.get(task, math.inf)
+            self.in_flight[task] = (ref, idx, time.monotonic() + limit if math.isfinite(limit) else None)
+            self.to_grade[task] = []
+            self.num_calls += 1
+
+    def _collect(self, wait: bool) -> None:
+        """Take the answers of the calls that have returned (``wait``: block until one has, or one
+        is past its time limit), then send what waited behind them."""
+        if not self.in_flight:
+            return
+        refs = {ref: task for task, (ref, _, _) in self.in_flight.items()}
+        deadlines = [d for _, _, d in self.in_flight.values() if d is not None]
+        timeout = 0 if not wait else (max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
+        done, _ = ray.wait(list(refs), num_returns=1 if wait else len(refs), timeout=timeout)
+        if done:  # and any other that returned meanwhile
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        now = time.monotonic()
+        for task, (ref, idx, deadline) in list(self.in_flight.items()):
+            if ref in done:
+                try:
+                    rets, m, err = split_return(task, ray.get(ref), len(idx))
+                except Exception as e:  # a crashed grader must not end the run
+                    rets, m, err = call_failed(task, len(idx), first_line_of_error(e), "step_errors")
+            elif deadline is not None and now >= deadline:
+                _restart(self.envs[task], ref)
+                rets, m, err = call_failed(task, len(idx), f"step timed out after {self.limits[task]:g} s; "
+                                           "actor restarted", "step_timeouts")
+            else:
+                continue
+            del self.in_flight[task]
+            self.ep.add_env_metrics(m, len(idx))
+            self.ready += [i for i, ret in zip(idx, rets) if self.ep.apply_return(i, ret, err)]
+        self._dispatch()
+
+
+class _LocalGenerator(GenerationInterface):
+    """This process's model behind ``generate``, for the turn-by-turn fallback."""
+
+    def __init__(self, generate):
+        self._generate = generate
+
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        return self._generate(data, greedy)
+
+
+def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, Any], cfg: GenerationConfig, *,
+                    greedy: bool, max_total_length: int, slots: int, device: torch.device, max_turns: int,
+                    max_seq_len: int, step_timeouts: dict[str, float] | None = None, version: int | None = None
+                    ) -> tuple[BatchedDataDict, dict[str, float]]:
+    """``run_multi_turn_rollout``'s result for ``batch`` (its ``EPISODE_KEYS``), generated by this
+    process's ``model`` with the continuous engine fed turn by turn per episode. A model the engine
+    cannot drive is rolled out turn by turn with HF ``generate``.
+
+    Metrics beside the rollout's: ``generation_s`` is the wall time less the time spent with no
+    row decoding, waiting only for environments (``stream/env_wait_s``); ``stream/env_calls``."""
+    if unsupported_reason(model) is not None:
+        def generate(data: BatchedDataDict, g: bool) -> BatchedDataDict:
+            return hf_generate(model, tokenizer, data, cfg, greedy=g, max_total_length=max_total_length,
+                               micro_batch_size=slots, synced=False, device=device)
+        return run_multi_turn_rollout(_LocalGenerator(generate), batch, tokenizer, envs, max_turns=max_turns,
+                                      max_seq_len=max_seq_len, greedy=greedy, step_timeouts=step_timeouts)
+    ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
+    source = EpisodeStream(ep, envs, step_timeouts, version)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        ContinuousBatcher(model, tokenizer, None, cfg, greedy=greedy, max_total_length=max_total_length,
+                          slots=slots, device=device).run(source)
+    wall = time.perf_counter() - t0
+    # Out of inference mode: the training step embeds these ids and must be able to save them.
+    for log in ep.message_logs:
+        for k, m in enumerate(log):
+            if "generation_logprobs" in m and m["token_ids"].is_inference():
+                log[k] = m | {"token_ids": m["token_ids"].clone(), "generation_logprobs": m["generation_logprobs"].clone()}
+    out, metrics = ep.result(generation_s=wall - source.env_wait_s)
+    return out, metrics | {"stream/env_wait_s": source.env_wait_s, "stream/env_calls": float(source.num_calls)}
