@@ -36,6 +36,7 @@ from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
 from nemo_like.utils.checkpoint import (
@@ -241,7 +242,8 @@ class GRPOTrainer:
     def _rollout(self, batch: BatchedDataDict, greedy: bool, generator: Any = None) -> tuple[BatchedDataDict, dict[str, float]]:
         cfg = self.config
         names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list} | self.env_names
-        limits = step_timeouts(cfg.env, {t: names.get(t, t) for t in self.envs}, cfg.grpo.env_step_timeout_s)
+        task_envs = {t: names.get(t, t) for t in self.envs}
+        limits = step_timeouts(cfg.env, task_envs, cfg.grpo.env_step_timeout_s)
         # A fast tokenizer must not be used by two threads at once: each rollout thread has its own.
         if threading.current_thread() is threading.main_thread():
             tokenizer = self.tokenizer
@@ -250,7 +252,7 @@ class GRPOTrainer:
             self._local.tokenizer = tokenizer
         return run_multi_turn_rollout(generator or self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
                                       max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
-                                      step_timeouts=limits)
+                                      step_timeouts=limits, step_concurrency=step_concurrency(task_envs))
 
     def _async_runner(self) -> AsyncRolloutRunner | None:
         """The producer of grpo.async_rollouts, made at the first step (after any resume)."""

@@ -10,7 +10,7 @@ processes import the environments package, and they must start in well under a s
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:  # annotations only; see the module docstring for why torch is not imported
     import torch
@@ -50,6 +50,11 @@ def normalize_step_inputs(message_log_batch: Any, metadata: Any) -> tuple[list, 
 
 class EnvironmentInterface(abc.ABC):
     """One task's environment: grades (and for multi-turn tasks answers) the model's messages."""
+
+    # How many ``step`` calls its actor runs at once, on threads. 1 unless ``step`` is thread-safe: a
+    # streaming rollout then sends a task's samples in several calls as their turns end, and a grader
+    # that waits on I/O (a web API, a tool's latency) answers them side by side, not one after another.
+    max_concurrent_steps: ClassVar[int] = 1
 
     @abc.abstractmethod
     def step(

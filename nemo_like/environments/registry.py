@@ -95,5 +95,19 @@ def create_env_actor(
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"environment {name!r}: config must be a dict, got {type(config).__name__}")
     options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 2, "num_cpus": 0}
+    if getattr(cls, "max_concurrent_steps", 1) > 1:  # a thread-safe step: calls may overlap
+        options["max_concurrency"] = int(cls.max_concurrent_steps)
     options.update(actor_options or {})
     return ray.remote(cls).options(**options).remote(dict(config or {}))
+
+
+def step_concurrency(task_envs: dict[str, str]) -> dict[str, int]:
+    """Per task, how many ``step`` calls its environment's actor runs at once
+    (``EnvironmentInterface.max_concurrent_steps``; 1 for a name that is not registered)."""
+    out = {}
+    for task, name in task_envs.items():
+        try:
+            out[task] = max(1, int(getattr(get_env_class(name), "max_concurrent_steps", 1)))
+        except KeyError:
+            out[task] = 1
+    return out

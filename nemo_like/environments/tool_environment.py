@@ -233,6 +233,9 @@ class ToolEnvironment(EnvironmentInterface):
     """
 
     config_model: ClassVar[type[EnvConfig]] = ToolEnvConfig
+    # step() shares only the tool-thread slots, under their lock: calls may overlap (their tool
+    # threads still count against max_concurrent_calls together).
+    max_concurrent_steps: ClassVar[int] = 4
 
     def __init__(self, config: dict | None = None) -> None:
         parsed = validate_env_config("tool", ToolEnvConfig, config)

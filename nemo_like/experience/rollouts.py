@@ -282,19 +282,22 @@ class Episodes:
 
 def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, tokenizer, envs: dict[str, Any],
                            *, max_turns: int, max_seq_len: int, greedy: bool = False,
-                           step_timeouts: dict[str, float] | None = None
+                           step_timeouts: dict[str, float] | None = None,
+                           step_concurrency: dict[str, int] | None = None
                            ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Generate, let each sample's environment answer, append its observation, repeat (the rules:
     :class:`Episodes`). Single-turn tasks take exactly one turn.
 
     A generator that streams episodes (``generator.streams_episodes()``: the continuous engine in
     one process) runs them there instead: an episode's next turn is admitted as soon as its
-    environment answers, while the others keep decoding. Otherwise turn by turn: every active
+    environment answers, while the others keep decoding; a task's environment gets at most
+    ``step_concurrency[task]`` calls at once (default 1). Otherwise turn by turn: every active
     sample's turn is generated, then all are graded, then the next turn starts.
     """
     if getattr(policy, "streams_episodes", lambda: False)():
         return policy.generate_episodes(batch, envs, max_turns=max_turns, max_seq_len=max_seq_len,
-                                        greedy=greedy, step_timeouts=step_timeouts)
+                                        greedy=greedy, step_timeouts=step_timeouts,
+                                        step_concurrency=step_concurrency)
     ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
     active = list(range(ep.n))
     generation_s = 0.0

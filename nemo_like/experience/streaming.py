@@ -9,8 +9,9 @@ decoding, and the environment's answer comes back as a new request (the conversa
 prefilled again: the tiny and SmolLM2-sized models prefill a turn in one forward), admitted into
 the next free rows.
 
-Environment calls are batched per task: at most one call per environment is in flight; samples
-that end their turn meanwhile wait for it to return and then go together. The per-call time limit,
+Environment calls are batched per task: at most ``step_concurrency[task]`` calls (the environment's
+``max_concurrent_steps``; 1 by default) are in flight at once; samples that end their turn
+meanwhile wait for one to return and then go together. The per-call time limit,
 the restart of a hung actor and the unscorable-sample rules are those of ``calculate_rewards``.
 
 This runs in the process that holds the model (a training worker with one rank, or a rollout
@@ -48,15 +49,17 @@ class EpisodeStream:
     """The engine's request source for a batch of episodes (``RequestSource`` of the engine)."""
 
     def __init__(self, episodes: Episodes, envs: dict[str, Any], step_timeouts: dict[str, float] | None,
-                 version: int | None = None):
+                 version: int | None = None, step_concurrency: dict[str, int] | None = None):
         self.ep, self.envs, self.version = episodes, envs, version
         self.limits = step_timeouts or {}
+        self.concurrency = step_concurrency or {}
         for task in set(episodes.task_names) - set(envs):
             raise KeyError(f"no environment for task {task!r}; configured: {sorted(envs)}")
         self.ready = list(range(episodes.n))  # episodes whose next turn can be queued
         self.request_of: dict[int, int] = {}  # engine request -> episode
         self.to_grade: dict[str, list[int]] = {}
-        self.in_flight: dict[str, tuple[ray.ObjectRef, list[int], float | None]] = {}
+        # Calls in flight: ref -> (task, its samples, deadline).
+        self.in_flight: dict[ray.ObjectRef, tuple[str, list[int], float | None]] = {}
         self.env_wait_s = 0.0  # nothing decoding, only environments working
         self.num_calls = 0
 
@@ -89,14 +92,18 @@ class EpisodeStream:
 
     # ---- environment calls --------------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Send each task's waiting samples in one call, unless that task has a call in flight."""
+        """Send each task's waiting samples in one call, unless that task has all the calls it may
+        have in flight."""
         ep = self.ep
+        busy: dict[str, int] = {}
+        for task, _, _ in self.in_flight.values():
+            busy[task] = busy.get(task, 0) + 1
         for task, idx in self.to_grade.items():
-            if not idx or task in self.in_flight:
+            if not idx or busy.get(task, 0) >= self.concurrency.get(task, 1):
                 continue
             ref = self.envs[task].step.remote([ep.message_logs[i] for i in idx], [ep.env_infos[i] for i in idx])
             limit = self.limits.get(task, math.inf)
-            self.in_flight[task] = (ref, idx, time.monotonic() + limit if math.isfinite(limit) else None)
+            self.in_flight[ref] = (task, idx, time.monotonic() + limit if math.isfinite(limit) else None)
             self.to_grade[task] = []
             self.num_calls += 1
 
@@ -105,14 +112,14 @@ class EpisodeStream:
         is past its time limit), then send what waited behind them."""
         if not self.in_flight:
             return
-        refs = {ref: task for task, (ref, _, _) in self.in_flight.items()}
+        refs = list(self.in_flight)
         deadlines = [d for _, _, d in self.in_flight.values() if d is not None]
         timeout = 0 if not wait else (max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
         done, _ = ray.wait(list(refs), num_returns=1 if wait else len(refs), timeout=timeout)
         if done:  # and any other that returned meanwhile
             done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         now = time.monotonic()
-        for task, (ref, idx, deadline) in list(self.in_flight.items()):
+        for ref, (task, idx, deadline) in list(self.in_flight.items()):
             if ref in done:
                 try:
                     rets, m, err = split_return(task, ray.get(ref), len(idx))
@@ -124,7 +131,7 @@ class EpisodeStream:
                                            "actor restarted", "step_timeouts")
             else:
                 continue
-            del self.in_flight[task]
+            del self.in_flight[ref]
             self.ep.add_env_metrics(m, len(idx))
             self.ready += [i for i, ret in zip(idx, rets) if self.ep.apply_return(i, ret, err)]
         self._dispatch()
@@ -142,8 +149,8 @@ class _LocalGenerator(GenerationInterface):
 
 def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, Any], cfg: GenerationConfig, *,
                     greedy: bool, max_total_length: int, slots: int, device: torch.device, max_turns: int,
-                    max_seq_len: int, step_timeouts: dict[str, float] | None = None, version: int | None = None
-                    ) -> tuple[BatchedDataDict, dict[str, float]]:
+                    max_seq_len: int, step_timeouts: dict[str, float] | None = None, version: int | None = None,
+                    step_concurrency: dict[str, int] | None = None) -> tuple[BatchedDataDict, dict[str, float]]:
     """``run_multi_turn_rollout``'s result for ``batch`` (its ``EPISODE_KEYS``), generated by this
     process's ``model`` with the continuous engine fed turn by turn per episode. A model the engine
     cannot drive is rolled out turn by turn with HF ``generate``.
@@ -157,7 +164,7 @@ def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, An
         return run_multi_turn_rollout(_LocalGenerator(generate), batch, tokenizer, envs, max_turns=max_turns,
                                       max_seq_len=max_seq_len, greedy=greedy, step_timeouts=step_timeouts)
     ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
-    source = EpisodeStream(ep, envs, step_timeouts, version)
+    source = EpisodeStream(ep, envs, step_timeouts, version, step_concurrency)
     t0 = time.perf_counter()
     with torch.inference_mode():
         ContinuousBatcher(model, tokenizer, None, cfg, greedy=greedy, max_total_length=max_total_length,

@@ -100,16 +100,23 @@ def test_environment_that_cannot_start_fails_setup_naming_it(ray_session, tmp_pa
     assert _live_actors() == before  # setup freed what it had started
 
 
-def test_hung_grader_is_cut_off_and_the_run_goes_on(ray_session, tmp_path, cache, own_registry):
+@pytest.mark.parametrize("stream", [False, True], ids=["turn-by-turn", "streamed"])
+def test_hung_grader_is_cut_off_and_the_run_goes_on(ray_session, tmp_path, cache, own_registry, stream):
     registry.register_env("math", HangsOnce, overwrite=True)
     with GRPOExperiment(str(CONFIG), _overrides(tmp_path, cache, "++env.math.step_timeout_s=3", "grpo.max_num_steps=2",
-                                                 f"++env.math.hang_marker={tmp_path / 'hung'}")) as exp:
+                                                 f"++env.math.hang_marker={tmp_path / 'hung'}",
+                                                 f"policy.generation.stream_episodes={str(stream).lower()}")) as exp:
+        assert exp.trainer.generator.streams_episodes() is stream
         t0 = time.monotonic()
         first = exp.step()
         assert time.monotonic() - t0 < 60
         assert (tmp_path / "hung").exists()
-        assert first["train/env/math/step_timeouts"] == 8.0  # every sample of the step, counted
-        assert first["train/unscorable_frac"] == 1.0 and first["train/advantage_abs_mean"] == 0.0
+        timeouts = first["train/env/math/step_timeouts"]
+        if stream:  # only the samples of the hung call are lost; the rest go to the restarted actor
+            assert 1 <= timeouts <= 8 and first["train/unscorable_frac"] == timeouts / 8
+        else:
+            assert timeouts == 8.0  # every sample of the step, counted
+            assert first["train/unscorable_frac"] == 1.0 and first["train/advantage_abs_mean"] == 0.0
         second = exp.step()  # graded by the restarted actor
         assert "train/env/math/step_timeouts" not in second and second["train/unscorable_frac"] == 0.0
 

@@ -35,9 +35,10 @@ class GenerationConfig(BaseModel):
     engine: Literal["generate", "continuous"] = "continuous"
     # Multi-turn rollouts with the continuous engine in one process (one training rank, or each rollout
     # worker): an episode's next turn is admitted as soon as its environment answers, while the other
-    # rows keep decoding (nemo_like/experience/streaming.py). False: turn by turn, every sample's turn
-    # generated, then all graded.
-    stream_episodes: bool = True
+    # rows keep decoding (nemo_like/experience/streaming.py). False (default): turn by turn, every
+    # sample's turn generated, then all graded. Off because on 2 CPU cores it measured slower: the
+    # graders' CPU work then competes with decoding for the same cores (README, "Streaming episodes").
+    stream_episodes: bool = False
     # Rows decoded together by the continuous engine; None: policy.generation_batch_size.
     max_num_seqs: int | None = Field(None, gt=0)
     # True: generate inside the training workers (same weights, nothing to send; one device). False: a
@@ -72,8 +73,8 @@ class GenerationInterface(abc.ABC):
         return False
 
     def generate_episodes(self, batch: BatchedDataDict, envs: dict, *, max_turns: int, max_seq_len: int,
-                          greedy: bool = False, step_timeouts: dict[str, float] | None = None
-                          ) -> tuple[BatchedDataDict, dict[str, float]]:
+                          greedy: bool = False, step_timeouts: dict[str, float] | None = None,
+                          step_concurrency: dict[str, int] | None = None) -> tuple[BatchedDataDict, dict[str, float]]:
         """``run_multi_turn_rollout``'s result, with each episode's next turn started as soon as its
         environment answers (only where ``streams_episodes()``)."""
         raise NotImplementedError(f"{type(self).__name__} does not stream episodes")

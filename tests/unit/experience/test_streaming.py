@@ -33,7 +33,7 @@ class TurnsEnv(EnvironmentInterface):
         t0 = time.time()
         time.sleep(self.cfg.get("delay_s", 0.0))
         obs, meta, rewards, done = [], [], [], []
-        for log, m in zip(message_log_batch, metadata):
+        for _log, m in zip(message_log_batch, metadata):
             seen = m.get("seen", 0) + 1
             left = m["turns"] - seen
             obs.append({"role": "environment", "content": f"left={left} " + "x" * self.cfg.get("pad", 0)})

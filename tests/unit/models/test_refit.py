@@ -12,6 +12,8 @@ from nemo_like.algorithms.loss_functions import NLLLossFn
 from nemo_like.config import GenerationClusterConfig
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.experience.rollouts import run_multi_turn_rollout
 from nemo_like.models.generation.rollout_group import RolloutGroup
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.lm_policy import Policy
@@ -159,6 +161,53 @@ def test_two_workers_split_and_reassemble_in_order(policy, rollout, model_dir, t
         assert torch.equal(one_row["output_ids"][0, : int(one_row["unpadded_sequence_lengths"][0])],
                            b["output_ids"][0, : int(b["unpadded_sequence_lengths"][0])])
     finally:
+        two.shutdown()
+
+
+class EchoTurnsEnv(EnvironmentInterface):
+    """Answers with the turn count; ends the episode after `turns` assistant turns with reward 1."""
+
+    def step(self, message_log_batch, metadata):
+        seen = [m.get("seen", 0) + 1 for m in metadata]
+        done = [s >= m["turns"] for s, m in zip(seen, metadata)]
+        return EnvironmentReturn([{"role": "environment", "content": f"turn {s}"} for s in seen],
+                                 [m | {"seen": s} for s, m in zip(seen, metadata)], [None] * len(seen),
+                                 torch.tensor([float(d) for d in done]), torch.tensor(done), {})
+
+
+def _episodes(tok, turns: list[int]) -> BatchedDataDict:
+    logs = []
+    for i in range(len(turns)):
+        text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=False,
+                                       add_generation_prompt=True)
+        logs.append([{"role": "user", "content": text, "token_ids": torch.tensor(tok(text)["input_ids"])}])
+    return BatchedDataDict(message_log=logs, extra_env_info=[{"turns": t} for t in turns],
+                           task_name=["echo"] * len(turns), idx=torch.arange(len(turns)))
+
+
+def test_two_workers_stream_episodes_equal_to_turn_by_turn(policy, rollout, model_dir, tok):
+    """Each rollout worker streams its share of the episodes (the engine takes next turns as their
+    environment answers); greedy, the episodes equal the turn-by-turn loop's on one worker."""
+    rollout.update_weights_from(policy, version=6)
+    gen = {"max_new_tokens": 6, "colocated": False, "stream_episodes": True}
+    two = RolloutGroup(_cfg(model_dir, generation=gen), _gen(2), seed=0, name_prefix="refit-stream")
+    env = ray.remote(EchoTurnsEnv).remote()
+    try:
+        two.update_weights_from(policy, version=6)
+        assert two.streams_episodes() and not rollout.streams_episodes() and not policy.streams_episodes()
+        kw = dict(max_turns=3, max_seq_len=40, greedy=True)
+        turns = [1, 3, 2, 3, 1]
+        ours, m = run_multi_turn_rollout(two, _episodes(tok, turns), tok, {"echo": env}, **kw)
+        ref, _ = run_multi_turn_rollout(rollout, _episodes(tok, turns), tok, {"echo": env}, **kw)
+        assert ours["idx"].tolist() == list(range(5))  # the batch's own fields, in batch order
+        assert ours["policy_version"].tolist() == [6] * 5
+        for a, b in zip(ours["message_log"], ref["message_log"]):
+            assert [x["role"] for x in a] == [x["role"] for x in b]
+            assert all(torch.equal(x["token_ids"], y["token_ids"]) for x, y in zip(a, b))
+        assert torch.equal(ours["total_reward"], ref["total_reward"]) and torch.equal(ours["num_turns"], ref["num_turns"])
+        assert m["turns_per_sample"] == float(ref["num_turns"].float().mean())
+    finally:
+        ray.kill(env)
         two.shutdown()
 
 
