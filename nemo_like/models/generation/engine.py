@@ -5,7 +5,7 @@ every step pays for logits processors, stopping criteria and stop-string checks 
 fixed number of slots decode together; a sample that ends (EOS, stop string, its own token budget)
 leaves the batch at once and the next waiting prompts are prefilled and merged in.
 
-The cache (`_Slots`) is preallocated: per layer [slots, heads, columns, dim], behind a `DynamicCache`
+The cache (`slots.Slots`) is preallocated: per layer [slots, heads, columns, dim], behind a `DynamicCache`
 whose layers write in place (`DynamicLayer` concatenates, copying the whole cache every step). All rows
 write the same column each step; a `valid` mask says which columns hold each row's real tokens, and
 positions are explicit (real tokens so far), so where a row's tokens sit never shifts its positions. A
@@ -25,6 +25,8 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.interfaces import GenerationConfig
+from nemo_like.models.generation.prefix_cache import PrefixCache, cached_prefill_inputs
+from nemo_like.models.generation.slots import Slots
 
 # New prompts are admitted once this fraction of the slots is free (or the queue fits): each admission
 # costs one prefill forward and one copy of the whole cache, so admitting one prompt per freed slot
@@ -138,137 +140,6 @@ def _sample(logits: torch.Tensor, greedy: bool, cfg: GenerationConfig) -> tuple[
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
-class _SlotLayer:
-    """One layer's cache over preallocated [slots, heads, columns, dim] buffers.
-
-    Every row writes the same column each step, so appending a token is one slice write;
-    `DynamicLayer`'s torch.cat copies the whole cache every step, which measured as the largest cost of
-    a decode step on the tiny model (with dropping finished rows by copying the rest)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys_buf, self.values_buf = keys, values
-        self.n = 0  # rows in use: 0..n-1
-        self.length = 0  # columns in use
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        self.keys_buf[: self.n, :, self.length : end] = key_states
-        self.values_buf[: self.n, :, self.length : end] = value_states
-        self.length = end
-        return self.keys_buf[: self.n, :, :end], self.values_buf[: self.n, :, :end]
-
-
-def _slot_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    class SlotLayer(_SlotLayer, DynamicLayer):
-        """`DynamicLayer`'s interface (what the model and the mask code call) over `_SlotLayer`'s buffers."""
-
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-            DynamicLayer.__init__(self)
-            _SlotLayer.__init__(self, keys, values)
-            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-
-        update = _SlotLayer.update
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-    return SlotLayer
-
-
-class _Slots:
-    """The rows decoding together. Row r's real tokens sit in the columns where `valid[r]` is set (any
-    columns: attention does not depend on the keys' order once the mask and positions are right), so new
-    prompts are written into free rows ending at the current column, and a finished row is replaced by
-    the last live row (a copy of a few rows, not of the whole cache)."""
-
-    def __init__(self, model, rows: int, columns: int, prefill_cache, device: torch.device):
-        from transformers import DynamicCache
-
-        layer_cls = _slot_layer_class()
-        self.cache = DynamicCache(config=model.config)
-        self.cache.layers = [layer_cls(_buffer(pl.keys, rows, columns), _buffer(pl.values, rows, columns))
-                             for pl in prefill_cache.layers]
-        self.columns = columns
-        self.valid = torch.zeros((rows, columns), dtype=torch.bool, device=device)
-        self.pos = torch.zeros(rows, dtype=torch.long, device=device)  # real tokens so far
-        self.req = torch.zeros(rows, dtype=torch.long, device=device)  # request of each row
-        self.last = torch.zeros(rows, dtype=torch.long, device=device)  # sampled, not yet in the cache
-        self.n, self.length = 0, 0
-
-    def sync_layers(self) -> None:
-        for layer in self.cache.layers:
-            layer.n, layer.length = self.n, self.length
-
-    def admit(self, req, last, pos, mask: torch.Tensor, keys: list, values: list) -> None:
-        """Rows n.. get these prompts' caches ([k, heads, width, dim] each, mask [k, width]) in the
-        `width` columns that end at the current column."""
-        k, width = mask.shape
-        self.length = max(self.length, width)  # the other rows' extra columns stay invalid
-        rows, cols = slice(self.n, self.n + k), slice(self.length - width, self.length)
-        for layer, ks, vs in zip(self.cache.layers, keys, values):
-            layer.keys_buf[rows, :, cols] = ks
-            layer.values_buf[rows, :, cols] = vs
-        self.valid[rows] = False
-        self.valid[rows, cols] = mask
-        self.req[rows], self.last[rows], self.pos[rows] = req, last, pos
-        self.n += k
-
-    def drop(self, done: torch.Tensor) -> None:
-        """Remove the rows where `done` [n] is set, moving the last live rows into their places."""
-        keep = self.n - int(done.sum())
-        holes = done[:keep].nonzero().squeeze(1)
-        if len(holes):
-            tails = (~done[keep:]).nonzero().squeeze(1) + keep
-            L = self.length
-            for layer in self.cache.layers:
-                layer.keys_buf[holes, :, :L] = layer.keys_buf[tails, :, :L]
-                layer.values_buf[holes, :, :L] = layer.values_buf[tails, :, :L]
-            for t in (self.valid, self.pos, self.req, self.last):
-                t[holes] = t[tails]
-        self.n = keep
-        if not keep:
-            self.length = 0
-
-    def grow(self, columns: int) -> None:
-        """Reallocate the buffers with ``columns`` columns (the rows' tokens stay where they are)."""
-        L = self.length
-        for layer in self.cache.layers:
-            for name in ("keys_buf", "values_buf"):
-                old = getattr(layer, name)
-                new = old.new_zeros((old.shape[0], old.shape[1], columns, old.shape[3]))
-                new[:, :, :L] = old[:, :, :L]
-                setattr(layer, name, new)
-        valid = self.valid.new_zeros((self.valid.shape[0], columns))
-        valid[:, :L] = self.valid[:, :L]
-        self.valid, self.columns = valid, columns
-
-    def compact(self) -> None:
-        """Pack each row's real tokens into the first columns (when the columns run out: the buffer
-        holds a whole sample and more, so this is rare)."""
-        n, L = self.n, self.length
-        if not n:
-            self.length = 0
-            return
-        valid = self.valid[:n, :L]
-        count = valid.sum(1)
-        width = int(count.max())
-        # Each row's valid columns in order, right-aligned in `width` (stable sort: invalid ones first).
-        idx = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, L - width :]
-        for layer in self.cache.layers:
-            for buf in (layer.keys_buf, layer.values_buf):
-                h, d = buf.shape[1], buf.shape[3]
-                buf[:n, :, :width] = buf[:n, :, :L].gather(2, idx[:, None, :, None].expand(n, h, width, d))
-        self.valid[:n] = False
-        self.valid[:n, :width] = torch.arange(width, device=valid.device)[None] >= (width - count)[:, None]
-        self.length = width
-
-
-def _buffer(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    return like.new_zeros((rows, like.shape[1], columns, like.shape[3]))
-
-
 class RequestSource(Protocol):
     """What feeds a streaming `ContinuousBatcher.run`: requests that arrive while others decode (the
     next turns of multi-turn episodes, once their environment answers)."""
@@ -289,8 +160,12 @@ class ContinuousBatcher:
     cache. Per-request storage (prompt, budget, tokens, log-probs) grows as requests are added."""
 
     def __init__(self, model, tokenizer, data: BatchedDataDict | None, cfg: GenerationConfig, *, greedy: bool,
-                 max_total_length: int, slots: int, device: torch.device):
+                 max_total_length: int, slots: int, device: torch.device, prefix_cache: PrefixCache | None = None):
         from transformers import DynamicCache
+
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.sync(model)
 
         self._new_cache = lambda: DynamicCache(config=model.config)
         self.model, self.cfg, self.greedy, self.device = model, cfg, greedy, device
@@ -300,7 +175,7 @@ class ContinuousBatcher:
         self.pos_limit = position_limit(model)
         fwd = inspect.signature(_base(model).forward).parameters
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in fwd else {}
-        self.slots_state: _Slots | None = None
+        self.slots_state: Slots | None = None
         self.count = 0  # requests added
         self.pending: list[int] = []  # added, not yet prefilled
         self.stops: list[tuple[str, ...]] = []
@@ -443,8 +318,12 @@ class ContinuousBatcher:
         return out.logits[:, -1]
 
     def _prefill(self, req: torch.Tensor) -> None:
-        """Encode the requests' prompts (each distinct one once), sample their first tokens, and admit
-        the rows that go on into the slots."""
+        """Encode the requests' prompts (each distinct one once; on top of a cached prefix where the
+        prefix cache holds one), sample their first tokens, and admit the rows that go on."""
+        if self.prefix_cache is not None:
+            req = self._prefill_cached(req)
+            if not len(req):
+                return
         lens = self.lengths[req.cpu()].to(self.device)
         width = int(lens.max())
         # Left padded: row r holds its prompt in its last lens[r] columns.
@@ -461,25 +340,62 @@ class ContinuousBatcher:
         pos = (self.arange[:width][None] - u_pad[:, None]).clamp(min=0)
         cache = self._new_cache()
         logits = self._forward(cache, u_ids, pos, u_mask.long() if int(u_pad.max()) else None)
-        tok, lp = _sample(logits[inv], self.greedy, self.cfg)
+        # Row r's cache is its distinct prompt's (unique sorts): GRPO's repeats copy rows, not work.
+        self._admit(req, lens, logits[inv], cache, u_mask, inv)
+
+    def _prefill_cached(self, req: torch.Tensor) -> torch.Tensor:
+        """Prefill the requests whose prompt starts with a cached prefix on top of it; the others'."""
+        hits, rest = [], []
+        for q in req.tolist():
+            n = int(self.lengths[q])
+            hit = self.prefix_cache.take(self.input_ids[q, :n].tolist())
+            (hits if hit else rest).append((q, hit))
+        if hits:
+            q = torch.tensor([h[0] for h in hits], device=self.device)
+            cached = torch.tensor([h[1][0] for h in hits])
+            suffixes = [self.input_dev[i, c:int(self.lengths[i])] for (i, _), c in zip(hits, cached.tolist())]
+            cache, ids, pos, mask = cached_prefill_inputs(self._new_cache, [h[1][1] for h in hits], cached, suffixes,
+                                                          self.pad_id, self.device)
+            logits = self._forward(cache, ids, pos, mask.long())
+            self._admit(q, self.lengths[q.cpu()].to(self.device), logits, cache, mask,
+                        torch.arange(len(hits), device=self.device))
+        return torch.tensor([r[0] for r in rest], dtype=torch.long, device=self.device)
+
+    def _admit(self, req: torch.Tensor, lens: torch.Tensor, logits: torch.Tensor, cache, mask: torch.Tensor,
+               rows: torch.Tensor) -> None:
+        """Sample the first tokens (``logits`` [k, V]) and admit the requests that go on: request j's
+        cache is row ``rows[j]`` of ``cache`` (columns where ``mask[rows[j]]`` is set)."""
+        tok, lp = _sample(logits, self.greedy, self.cfg)
         go_on = ~self._record(req, tok, lp)
         if not bool(go_on.any()):
             return
         # A row needs a column for each of its tokens but the last sampled one (compaction packs them).
-        need = int((lens + self.budgets[req])[go_on].max())
+        need = max(int((lens + self.budgets[req])[go_on].max()), mask.shape[1])
         if self.slots_state is None:
             self.columns = max(self.columns, need + max(self.max_budget // 4, 16))
-            self.slots_state = _Slots(self.model, self.slots, self.columns, cache, self.device)
-        elif need > self.slots_state.columns:  # streaming: a later turn's longer prompt
+            self.slots_state = Slots(self.model, self.slots, self.columns, cache, self.device)
+        elif need > self.slots_state.columns:  # a later turn's longer prompt, a cached prefix's gap
             self.columns = need + max(self.max_budget // 4, 16)
             self.slots_state.grow(self.columns)
-        # Row r's cache is its distinct prompt's (unique sorts): GRPO's repeats copy rows, not work.
-        rows = inv[go_on]
-        self.slots_state.admit(req[go_on], tok[go_on], lens[go_on], u_mask[rows],
+        rows = rows[go_on]
+        self.slots_state.admit(req[go_on], tok[go_on], lens[go_on], mask[rows],
                                [layer.keys[rows] for layer in cache.layers],
                                [layer.values[rows] for layer in cache.layers])
 
-    def _decode(self, s: _Slots) -> None:
+    def _keep_prefixes(self, s: Slots, done: torch.Tensor) -> None:
+        """Put the KV of the rows that just ended in the prefix cache, keyed by their tokens."""
+        L = s.length
+        for r in done.nonzero().squeeze(1).tolist():
+            q = int(s.req[r])
+            plen, n_gen = int(self.lengths[q]), int(self.gen_len[q])
+            cols = s.valid[r, :L].nonzero().squeeze(1)
+            if len(cols) != plen + n_gen - 1:  # not what this row should hold: keep nothing
+                continue
+            key = tuple(self.input_ids[q, :plen].tolist() + self.tokens[q, : n_gen - 1].tolist())
+            self.prefix_cache.put(key, [(layer.keys_buf[r, :, cols], layer.values_buf[r, :, cols])
+                                        for layer in s.cache.layers])
+
+    def _decode(self, s: Slots) -> None:
         if s.length >= s.columns:
             s.compact()
         n, L = s.n, s.length
@@ -492,6 +408,8 @@ class ContinuousBatcher:
         done = self._record(s.req[:n], tok, lp)
         s.last[:n] = tok
         if bool(done.any()):
+            if self.prefix_cache is not None:
+                self._keep_prefixes(s, done)
             s.drop(done)
 
     def _outputs(self) -> BatchedDataDict:
@@ -517,14 +435,15 @@ class ContinuousBatcher:
 
 
 def continuous_generate(model, tokenizer, data: BatchedDataDict, cfg: GenerationConfig, *, greedy: bool,
-                        max_total_length: int, slots: int, device: torch.device) -> BatchedDataDict:
+                        max_total_length: int, slots: int, device: torch.device,
+                        prefix_cache: PrefixCache | None = None) -> BatchedDataDict:
     """`hf_generate`'s contract, decoded by continuous batching over `slots` rows (see module doc)."""
     # inference_mode skips autograd bookkeeping; FSDP2's hooks write to parameters in place, which
     # inference mode forbids on ordinary tensors, so sharded models get no_grad.
     fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
     with torch.no_grad() if fsdp else torch.inference_mode():
         out = ContinuousBatcher(model, tokenizer, data, cfg, greedy=greedy, max_total_length=max_total_length,
-                                slots=slots, device=device).run()
+                                slots=slots, device=device, prefix_cache=prefix_cache).run()
     # Cloned outside inference mode: inference tensors cannot be saved for backward, and the training
     # step embeds these ids.
     return BatchedDataDict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out.items()})

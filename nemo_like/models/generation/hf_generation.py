@@ -14,6 +14,7 @@ from nemo_like.models.generation.engine import (
     unsupported_reason,
 )
 from nemo_like.models.generation.interfaces import GenerationConfig
+from nemo_like.models.generation.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -44,6 +45,7 @@ def hf_generate(
     micro_batch_size: int,
     synced: bool,
     device: torch.device,
+    prefix_cache: PrefixCache | None = None,
 ) -> BatchedDataDict:
     # synced (FSDP over several ranks): every forward runs collectives, so all ranks must run the same
     # number of forwards; the continuous engine's step count depends on each rank's own samples, and
@@ -53,7 +55,8 @@ def hf_generate(
         if reason is None:
             return continuous_generate(model, tokenizer, data, cfg, greedy=greedy,
                                        max_total_length=max_total_length,
-                                       slots=cfg.max_num_seqs or micro_batch_size, device=device)
+                                       slots=cfg.max_num_seqs or micro_batch_size, device=device,
+                                       prefix_cache=prefix_cache)
         if reason not in _warned:
             _warned.add(reason)
             logger.warning("policy.generation.engine=continuous: %s; using HF generate", reason)

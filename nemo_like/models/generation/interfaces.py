@@ -39,6 +39,10 @@ class GenerationConfig(BaseModel):
     # sample's turn generated, then all graded. Off because on 2 CPU cores it measured slower: the
     # graders' CPU work then competes with decoding for the same cores (README, "Streaming episodes").
     stream_episodes: bool = False
+    # Prefix caching (models/generation/prefix_cache.py): a multi-turn episode's next turn is prefilled
+    # on top of the KV its last turn left, not from scratch. At most this many tokens are kept per
+    # worker (None: max_num_seqs x policy.max_total_sequence_length; 0: off); emptied when weights change.
+    prefix_cache_tokens: int | None = Field(None, ge=0)
     # Rows decoded together by the continuous engine; None: policy.generation_batch_size.
     max_num_seqs: int | None = Field(None, gt=0)
     # True: generate inside the training workers (same weights, nothing to send; one device). False: a

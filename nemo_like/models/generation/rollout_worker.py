@@ -21,6 +21,7 @@ import torch
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
+from nemo_like.models.generation.prefix_cache import make_prefix_cache
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.weight_export import named_checksum, tensor_bytes
@@ -56,6 +57,7 @@ class RolloutWorker:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._unique = dict(self.model.named_parameters())
         self._version = 0  # the weights of policy.model_name, before any refit
+        self._prefix_cache = make_prefix_cache(config)  # next turns reuse their episode's KV
         self._dirty: str | None = None  # why the weights are a mix of two versions, if they are
 
     # ---- generation ---------------------------------------------------------------------------
@@ -66,7 +68,8 @@ class RolloutWorker:
         sub = BatchedDataDict({k: data[k] for k in GENERATE_KEYS if k in data})
         out = hf_generate(self.model, self.tokenizer, sub, self.cfg.generation, greedy=greedy,
                           max_total_length=self.cfg.max_total_sequence_length,
-                          micro_batch_size=self.cfg.generation_batch_size, synced=False, device=self.device)
+                          micro_batch_size=self.cfg.generation_batch_size, synced=False, device=self.device,
+                          prefix_cache=self._prefix_cache)
         out["policy_version"] = torch.full((out.size,), self._version, dtype=torch.int64)
         return out
 
@@ -77,7 +80,8 @@ class RolloutWorker:
         return stream_episodes(self.model, self.tokenizer, data, envs, self.cfg.generation,
                                max_total_length=self.cfg.max_total_sequence_length,
                                slots=self.cfg.generation.max_num_seqs or self.cfg.generation_batch_size,
-                               device=self.device, version=self._version, **kwargs)
+                               device=self.device, version=self._version, prefix_cache=self._prefix_cache,
+                               **kwargs)
 
     def _check_clean(self) -> None:
         if self._dirty:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
+from nemo_like.models.generation.prefix_cache import make_prefix_cache
 from nemo_like.models.policy import weight_export
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.lora import (
@@ -150,6 +151,7 @@ class HFPolicyWorker:
         # rank only where it supplies mixed precision.
         shard = config.fsdp and (self.world_size > 1 or config.precision != "float32")
         self.model = self._shard(model) if shard else model
+        self._prefix_cache = make_prefix_cache(config)  # next turns reuse their episode's KV
         self.model.train()
 
         # The reference policy is the initial weights; kept as a detached copy and swapped in for
@@ -196,7 +198,7 @@ class HFPolicyWorker:
                     self.model, self.tokenizer, data, self.cfg.generation, greedy=greedy,
                     max_total_length=self.cfg.max_total_sequence_length,
                     micro_batch_size=self.cfg.generation_batch_size,
-                    synced=self.world_size > 1, device=self.device,
+                    synced=self.world_size > 1, device=self.device, prefix_cache=self._prefix_cache,
                 )
             finally:
                 self.model.train()
@@ -210,7 +212,7 @@ class HFPolicyWorker:
                 return stream_episodes(self.model, self.tokenizer, data, envs, self.cfg.generation,
                                        max_total_length=self.cfg.max_total_sequence_length,
                                        slots=self.cfg.generation.max_num_seqs or self.cfg.generation_batch_size,
-                                       device=self.device, **kwargs)
+                                       device=self.device, prefix_cache=self._prefix_cache, **kwargs)
             finally:
                 self.model.train()
 

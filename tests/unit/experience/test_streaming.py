@@ -14,9 +14,9 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.experience.rollouts import run_multi_turn_rollout
 from nemo_like.experience.streaming import stream_episodes
-from nemo_like.models.generation import engine
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
+from nemo_like.models.generation.slots import Slots
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 
@@ -106,8 +106,8 @@ def test_greedy_episodes_equal_the_turn_by_turn_loop_token_for_token(setup, monk
     tok, model, envs = setup
     specs = [("a", 3), ("b", 1), ("a", 1), ("b", 3), ("a", 2), ("b", 2)] * 2
     grown = []
-    real_grow = engine._Slots.grow
-    monkeypatch.setattr(engine._Slots, "grow", lambda self, c: (grown.append(c), real_grow(self, c)))
+    real_grow = Slots.grow
+    monkeypatch.setattr(Slots, "grow", lambda self, c: (grown.append(c), real_grow(self, c)))
     ref, ref_m = run_multi_turn_rollout(Turnwise(model, tok, 400), _batch(tok, specs), tok, envs, max_turns=3,
                                         max_seq_len=400, greedy=True)
     # 5 slots for 12 episodes: rows are refilled with first turns and later turns alike.

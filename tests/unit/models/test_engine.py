@@ -14,6 +14,7 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.engine import continuous_generate, unsupported_reason
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
+from nemo_like.models.generation.slots import Slots
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 CPU = torch.device("cpu")
@@ -91,14 +92,13 @@ def test_greedy_equals_generate_with_ragged_budgets_early_eos_and_slot_reuse(tin
 
 @pytest.mark.parametrize("slots", [1, 4, 64])
 def test_greedy_equals_generate_for_any_slot_count(tiny, slots, monkeypatch):
-    from nemo_like.models.generation import engine
 
     tok, model = tiny
     data = _prompts(tok)
     eos_tok = _with_eos(tok, model, data)
     compactions = []
-    compact = engine._Slots.compact
-    monkeypatch.setattr(engine._Slots, "compact", lambda self: compactions.append(1) or compact(self))
+    compact = Slots.compact
+    monkeypatch.setattr(Slots, "compact", lambda self: compactions.append(1) or compact(self))
     _assert_same(_run(model, eos_tok, data, "generate"), _run(model, eos_tok, data, "continuous", slots=slots))
     if slots == 4:  # refills kept the columns growing until they were packed
         assert compactions
