@@ -51,6 +51,10 @@ class GenerationConfig(BaseModel):
     # A refit to a separate rollout group streams named tensors in chunks of at most this many MiB, so
     # neither side ever holds a second full copy of the weights in flight.
     refit_chunk_mb: float = Field(64.0, gt=0)
+    # How a refit moves the weights: "object_store" (the policy's rank 0 puts chunks in Ray's object
+    # store, every rollout worker fetches them; through host memory) or "collective" (a broadcast over a
+    # process group of the policy's rank 0 and the rollout workers: gloo on CPUs, NCCL GPU to GPU).
+    refit_transport: Literal["object_store", "collective"] = "object_store"
 
 
     @model_validator(mode="after")

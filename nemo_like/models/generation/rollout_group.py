@@ -22,10 +22,10 @@ The transport is the seam between the two sides, one class each:
   as soon as it is gathered; every rollout worker fetches the same refs one chunk at a time. Works
   across processes and nodes, on CPUs and GPUs (tensors travel through host memory). The store holds
   one copy of the weights while a refit is in flight and frees it when the refs are dropped.
-* A GPU transport (NCCL broadcast from the policy's rank 0 into the rollout workers, or CUDA IPC
-  handles when both share a GPU) would subclass ``WeightTransport`` with a ``push`` that starts the
-  sender and receivers together; the worker side needs a matching receive method. Not written here:
-  nothing on this machine could run it.
+* ``CollectiveTransport`` ("collective", ``collective_refit.py``): a broadcast from the policy's rank 0
+  over a process group of its own with the rollout workers: gloo on CPUs (tested), NCCL GPU to GPU
+  (the same code with the other backend; not run here: no GPU was available). CUDA IPC handles, for
+  engines sharing the trainer's GPU, would be one more subclass.
 
 The engine is the other seam: a vLLM or SGLang engine plugs in as a worker class (one module) with
 ``generate(data, greedy) -> BatchedDataDict`` (the ``GenerationInterface`` contract plus
@@ -90,7 +90,50 @@ class ObjectStoreTransport(WeightTransport):
                 "refit/load_seconds_max": max(r["seconds"] for r in results)}
 
 
-TRANSPORTS: dict[str, type[WeightTransport]] = {ObjectStoreTransport.name: ObjectStoreTransport}
+class CollectiveSource(WeightSource, Protocol):
+    """What the collective transport needs beside ``export_weights`` (``Policy`` is one)."""
+
+    def weights_manifest(self) -> list[tuple[str, tuple[int, ...], Any]]: ...
+    def refit_address(self) -> tuple[str, int]: ...
+    def join_refit_group_async(self, host: str, port: int, world: int, backend: str) -> list[ray.ObjectRef]: ...
+    def broadcast_weights(self, chunk_bytes: int) -> dict[str, float]: ...
+
+
+class CollectiveTransport(WeightTransport):
+    """Broadcast from the policy's rank 0 over a process group it shares with the rollout workers
+    (gloo on CPUs, NCCL on GPUs; see ``collective_refit``). The group is made at the first push and
+    kept; the manifest is checked by every receiver before any tensor moves."""
+
+    name = "collective"
+
+    def __init__(self, backend: str | None = None):
+        self.backend = backend  # None: gloo (a RolloutGroup on GPUs passes nccl)
+        self._joined: tuple[int, int] | None = None  # (id of the source, id of the workers) in the group
+
+    def push(self, source: CollectiveSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> dict[str, float]:
+        handles = workers.workers
+        if self._joined != (id(source), id(workers)):
+            backend = self.backend or "gloo"
+            host, port = source.refit_address()
+            world = 1 + len(handles)
+            refs = source.join_refit_group_async(host, port, world, backend)
+            refs += [h.join_refit_group.remote(host, port, 1 + r, world, backend) for r, h in enumerate(handles)]
+            ray.get(refs)
+            self._joined = (id(source), id(workers))
+        manifest = source.weights_manifest()
+        ray.get([h.check_manifest.remote(manifest) for h in handles])  # before anyone waits in a broadcast
+        receiving = [h.receive_weights.remote(manifest, chunk_bytes, version) for h in handles]
+        sent = source.broadcast_weights(chunk_bytes)
+        results = ray.get(receiving)
+        if bad := [(i, r["bytes"]) for i, r in enumerate(results) if r["bytes"] != sent["bytes"]]:
+            raise RuntimeError(f"refit to version {version}: the policy sent {sent['bytes']:.0f} bytes but rollout "
+                               f"workers (rank, bytes loaded) {bad} loaded another amount")
+        return {"refit/bytes": sent["bytes"], "refit/chunks": sent["buckets"],
+                "refit/load_seconds_max": max(r["seconds"] for r in results)}
+
+
+TRANSPORTS: dict[str, type[WeightTransport]] = {ObjectStoreTransport.name: ObjectStoreTransport,
+                                                 CollectiveTransport.name: CollectiveTransport}
 
 
 @dataclass
@@ -109,8 +152,11 @@ class RolloutGroup(GenerationInterface):
                  name_prefix: str = "rollout"):
         self.cfg = policy_config
         self.worker_cls = worker_cls
-        self.transport = transport or ObjectStoreTransport()
         gpus = cluster_config.gpus_per_worker
+        if transport is None:
+            cls = TRANSPORTS[policy_config.generation.refit_transport]
+            transport = cls(backend="nccl" if gpus else "gloo") if cls is CollectiveTransport else cls()
+        self.transport = transport
         self.cluster = RayVirtualCluster(cluster_config.num_workers, cpus_per_worker=cluster_config.cpus_per_worker,
                                          gpus_per_worker=gpus, name=name_prefix)
         env = {"NEMO_LIKE_USE_GPU": "1" if gpus else "0"}

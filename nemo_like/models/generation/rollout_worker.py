@@ -20,6 +20,7 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
+from nemo_like.models.generation import collective_refit
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.prefix_cache import make_prefix_cache
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
@@ -93,12 +94,30 @@ class RolloutWorker:
     def update_weights(self, chunk_refs: list[ray.ObjectRef], version: int) -> dict[str, float]:
         """Load the named tensors of ``chunk_refs`` (each a ``list[tuple[str, Tensor]]`` in the object
         store), one chunk at a time, and call the result ``version``. Returns bytes loaded and seconds."""
+        return self._load_stream((ray.get(ref) for ref in chunk_refs), version)  # one chunk alive at a time
+
+    # The collective transport (collective_refit.py): join once, check each manifest, then receive.
+    def join_refit_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
+        self._refit_group = collective_refit.open_group(host, port, rank, world, backend)
+
+    def check_manifest(self, manifest: collective_refit.Manifest) -> None:
+        collective_refit.check_manifest(manifest, self._params, f"rollout worker {self.rank}")
+
+    @torch.no_grad()
+    def receive_weights(self, manifest: collective_refit.Manifest, max_bytes: int, version: int) -> dict[str, float]:
+        """The policy's broadcast of ``manifest``'s tensors, loaded as ``update_weights`` loads chunks."""
+        if getattr(self, "_refit_group", None) is None:
+            raise RuntimeError(f"rollout worker {self.rank}: receive_weights before join_refit_group")
+        return self._load_stream(collective_refit.receive(self._refit_group, manifest, max_bytes, self.device), version)
+
+    def _load_stream(self, chunks, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         loaded: set[int] = set()
-        nbytes = 0
+        nbytes = n_chunks = 0
         try:
-            for i, ref in enumerate(chunk_refs):
-                nbytes += self._load_chunk(i, ray.get(ref), loaded)  # one chunk alive at a time
+            for i, chunk in enumerate(chunks):
+                nbytes += self._load_chunk(i, chunk, loaded)
+                n_chunks += 1
             if missing := sorted(n for n, p in self._unique.items() if id(p) not in loaded):
                 raise ValueError(f"{len(missing)} parameter(s) of the rollout model were never sent: {missing[:10]}"
                                  f"{' ...' if len(missing) > 10 else ''}")
@@ -111,7 +130,7 @@ class RolloutWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._version, self._dirty = int(version), None
-        return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0, "chunks": float(len(chunk_refs))}
+        return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0, "chunks": float(n_chunks)}
 
     def _load_chunk(self, i: int, chunk: object, loaded: set[int]) -> int:
         if not isinstance(chunk, list):

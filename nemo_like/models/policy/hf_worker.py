@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -21,7 +20,6 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.prefix_cache import make_prefix_cache
-from nemo_like.models.policy import weight_export
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.lora import (
     apply_lora,
@@ -42,6 +40,7 @@ from nemo_like.models.policy.packing import (
     plan_rows,
     shared_prefix_lengths,
 )
+from nemo_like.models.policy.refit_source import RefitSourceMixin
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
 
 PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,7 +114,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class HFPolicyWorker:
+class HFPolicyWorker(RefitSourceMixin):
     def __init__(self, config: PolicyConfig, *, seed: int = 0, init_reference_model: bool = True,
                  init_optimizer: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -451,24 +450,6 @@ class HFPolicyWorker:
         if self.rank == 0:
             self.model.save_pretrained(out, state_dict=model_sd, safe_serialization=True)
         return out
-
-    # ---- refit to a separate generation engine (weight_export.py) -----------------------------
-    def export_weight_chunks(self, max_bytes: int) -> list[ray.ObjectRef]:
-        """The model as it computes (plain HF names, LoRA merged) in object-store chunks of at most
-        ``max_bytes``; every rank gathers in step, rank 0 puts each chunk as soon as it is full and
-        returns the refs (other ranks: []). The store, not this list, holds the tensors."""
-        self._reshard()  # after a forward pass the root's parameters are not shards
-        emit = ray.put if self.rank == 0 else (lambda chunk: None)
-        refs = weight_export.chunk_named_tensors(weight_export.iter_export_tensors(self.model), max_bytes, emit)
-        return refs if self.rank == 0 else []
-
-    def weights_manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return weight_export.export_manifest(self.model)
-
-    def weights_checksum(self) -> str:
-        """sha256 of the exported view (weight_export.named_checksum); every rank gathers in step."""
-        self._reshard()
-        return weight_export.named_checksum(weight_export.iter_export_tensors(self.model))
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
         """Exact or refused: every tensor of the model (with LoRA: of the adapter, see lora.py) from the

@@ -131,6 +131,21 @@ class Policy(PolicyInterface, GenerationInterface):
             self.worker_group.run_all_workers_single_data("export_weight_chunks", int(chunk_bytes)))[0]
         return refs, self._export_bytes
 
+    # The collective refit (models/generation/collective_refit.py): rank 0 is the group's sender.
+    def weights_manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return self.worker_group.get_all_worker_results(self.worker_group.run_all_workers_single_data("weights_manifest"))[0]
+
+    def refit_address(self) -> tuple[str, int]:
+        return ray.get(self.worker_group.workers[0].refit_address.remote())
+
+    def join_refit_group_async(self, host: str, port: int, world: int, backend: str) -> list[ray.ObjectRef]:
+        return self.worker_group.run_all_workers_single_data("join_refit_group", host, port, world, backend)
+
+    def broadcast_weights(self, chunk_bytes: int) -> dict[str, float]:
+        """Every rank gathers in step; rank 0 broadcasts (its bytes and buckets are returned)."""
+        return self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("broadcast_weights", int(chunk_bytes)))[0]
+
     def weights_checksum(self) -> str:
         """sha256 over the exported view (``weight_export.named_checksum``): equal on a rollout worker
         that was refit from this policy and holds the weights in the same dtype."""

@@ -14,7 +14,8 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.experience.rollouts import run_multi_turn_rollout
-from nemo_like.models.generation.rollout_group import RolloutGroup
+from nemo_like.models.generation.collective_refit import bucket_plan
+from nemo_like.models.generation.rollout_group import CollectiveTransport, RolloutGroup
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.lm_policy import Policy
 
@@ -209,6 +210,41 @@ def test_two_workers_stream_episodes_equal_to_turn_by_turn(policy, rollout, mode
     finally:
         ray.kill(env)
         two.shutdown()
+
+
+def test_collective_refit_broadcasts_the_gathered_weights_to_every_worker(policy, model_dir, tok):
+    """gloo between the FSDP policy's rank 0 and two rollout workers: the group is made once, and a
+    refit after another optimizer step reuses it; a tiny bucket size cuts the stream into many."""
+    gen = {"max_new_tokens": 6, "colocated": False, "refit_chunk_mb": 0.02, "refit_transport": "collective"}
+    group = RolloutGroup(_cfg(model_dir, generation=gen), _gen(2), seed=0, name_prefix="refit-coll")
+    try:
+        assert isinstance(group.transport, CollectiveTransport) and group.transport.backend == "gloo"
+        m = group.update_weights_from(policy, version=11)
+        assert m["refit/bytes"] == _param_bytes(model_dir)[1] and m["refit/chunks"] > 1
+        assert group.weights_checksums() == [policy.weights_checksum()] * 2 and group.worker_versions() == [11, 11]
+        policy.train(_train_batch(tok), NLLLossFn())
+        assert group.weights_checksums() != [policy.weights_checksum()] * 2
+        joined = group.transport._joined
+        group.update_weights_from(policy, version=12)
+        assert group.transport._joined == joined  # the same group, not a new one
+        assert group.weights_checksums() == [policy.weights_checksum()] * 2 and group.worker_versions() == [12, 12]
+        data = _batch(tok, PROMPTS)
+        assert torch.equal(group.generate(data, greedy=True)["output_ids"], policy.generate(data, greedy=True)["output_ids"])
+        # A manifest this model cannot take is refused by every receiver before anything is sent.
+        bad = [("model.not_a_layer.weight", (2, 2), torch.float32)]
+        with pytest.raises(ray.exceptions.RayTaskError, match="not_a_layer"):
+            ray.get(group.workers.workers[0].check_manifest.remote(bad))
+    finally:
+        group.shutdown()
+
+
+def test_bucket_plan_aligns_every_tensor_and_keeps_to_the_limit():
+    manifest = [("a", (3,), torch.bfloat16), ("b", (5, 2), torch.float32), ("c", (100,), torch.float32),
+                ("d", (1,), torch.int64)]
+    plan = bucket_plan(manifest, max_bytes=64)
+    assert [[i for i, _ in b] for b in plan] == [[0, 1], [2], [3]]  # c (400 bytes) goes alone
+    assert all(off % 16 == 0 for b in plan for _, off in b)
+    assert plan[0] == [(0, 0), (1, 16)]  # 6 bytes of bf16, then the next aligned offset
 
 
 def test_policy_version_tags_every_sample(policy, rollout, tok):
