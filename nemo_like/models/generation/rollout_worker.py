@@ -167,5 +167,7 @@ class RolloutWorker:
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def release_generation_memory(self) -> None:
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -389,7 +389,9 @@ class HFPolicyWorker(RefitSourceMixin):
         return out
 
     def release_generation_memory(self) -> None:
-        """After generation: return the KV cache's blocks to the device before training."""
+        """After generation: return the KV cache's blocks (and the prefix cache's) before training."""
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
