@@ -314,17 +314,18 @@ class ToolEnvironment(EnvironmentInterface):
                         self._live_by_tool[t.name] += 1
                         running[k] = (call, now + self.timeout_s)
                 waiting = still
-                if waiting and (not running or now >= start_by):
-                    # No call of this step will free a slot in time (the others are held by calls
-                    # abandoned earlier, which may never return): fail now instead of waiting.
+                # Calls of other steps running at once (max_concurrent_steps) free their slots within
+                # their time limit; calls abandoned earlier may never return.
+                others = self._live - len(running) - sum(self._stuck_count(n) for n in list(self._stuck))
+                if waiting and (now >= start_by or (not running and others <= 0)):
+                    # No call will free a slot in time (the others are held by calls abandoned
+                    # earlier, which may never return): fail now instead of waiting.
                     for k in waiting:
                         results[k] = (None, f"tool call not run: {cap} tool calls already running "
                                             "(raise env.tool.max_concurrent_calls for more at once)", False)
                     waiting = []
-                if running:
-                    wake = min(d for _, d in running.values())
-                    if waiting:
-                        wake = min(wake, start_by)
+                if running or waiting:
+                    wake = min([d for _, d in running.values()] + ([start_by] if waiting else []))
                     self._slots.wait(max(0.0, wake - time.monotonic()))
         return [r if r is not None else (None, "internal error", False) for r in results]
 

@@ -360,6 +360,9 @@ def run_split_rollout(batch: BatchedDataDict,
                "turns_per_sample": float(turns.float().mean()),
                "unterminated_rate": sum(m["unterminated_rate"] * len(idx) for (_, m), idx in zip(parts, parts_idx)) / n,
                "generation_s": max(m["generation_s"] for _, m in parts)}
+    for key in {k for _, m in parts for k in m if k.startswith("stream/")}:  # calls add up; waits overlap
+        vals = [m[key] for _, m in parts if key in m]
+        metrics[key] = sum(vals) if key.endswith("_calls") else max(vals)
     for key in {k for _, m in parts for k in m if k.startswith("env/")}:
         have = [(m[key], len(idx)) for (_, m), idx in zip(parts, parts_idx) if key in m]
         metrics[key] = (sum(v for v, _ in have) if _is_counter(key)

@@ -161,14 +161,19 @@ def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, An
     row decoding, waiting only for environments (``stream/env_wait_s``); ``stream/env_calls``."""
     if unsupported_reason(model) is not None:
         def generate(data: BatchedDataDict, g: bool) -> BatchedDataDict:
-            return hf_generate(model, tokenizer, data, cfg, greedy=g, max_total_length=max_total_length,
-                               micro_batch_size=slots, synced=False, device=device, prefix_cache=prefix_cache)
+            out = hf_generate(model, tokenizer, data, cfg, greedy=g, max_total_length=max_total_length,
+                              micro_batch_size=slots, synced=False, device=device, prefix_cache=prefix_cache)
+            if version is not None:  # a rollout worker's samples say which weights made them
+                out["policy_version"] = torch.full((out.size,), version, dtype=torch.int64)
+            return out
         return run_multi_turn_rollout(_LocalGenerator(generate), batch, tokenizer, envs, max_turns=max_turns,
                                       max_seq_len=max_seq_len, greedy=greedy, step_timeouts=step_timeouts)
     ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
     source = EpisodeStream(ep, envs, step_timeouts, version, step_concurrency)
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    # FSDP2's hooks write to parameters in place, which inference mode forbids (as continuous_generate).
+    fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    with torch.no_grad() if fsdp else torch.inference_mode():
         ContinuousBatcher(model, tokenizer, None, cfg, greedy=greedy, max_total_length=max_total_length,
                           slots=slots, device=device, prefix_cache=prefix_cache).run(source)
     wall = time.perf_counter() - t0

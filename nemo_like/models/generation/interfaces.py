@@ -41,8 +41,10 @@ class GenerationConfig(BaseModel):
     stream_episodes: bool = False
     # Prefix caching (models/generation/prefix_cache.py): a multi-turn episode's next turn is prefilled
     # on top of the KV its last turn left, not from scratch. At most this many tokens are kept per
-    # worker (None: max_num_seqs x policy.max_total_sequence_length; 0: off); emptied when weights change.
-    prefix_cache_tokens: int | None = Field(None, ge=0)
+    # worker (0, the default: off; None: max_num_seqs x policy.max_total_sequence_length); emptied when
+    # weights change. Off by default: single-turn tasks never hit it, yet every finished row would be
+    # copied into it, and on a GPU it can hold as much KV as the decoding slots themselves.
+    prefix_cache_tokens: int | None = Field(0, ge=0)
     # Rows decoded together by the continuous engine; None: policy.generation_batch_size.
     max_num_seqs: int | None = Field(None, gt=0)
     # True: generate inside the training workers (same weights, nothing to send; one device). False: a

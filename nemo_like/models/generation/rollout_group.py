@@ -121,10 +121,16 @@ class CollectiveTransport(WeightTransport):
             ray.get(refs)
             self._joined = (id(source), id(workers))
         manifest = source.weights_manifest()
-        ray.get([h.check_manifest.remote(manifest) for h in handles])  # before anyone waits in a broadcast
-        receiving = [h.receive_weights.remote(manifest, chunk_bytes, version) for h in handles]
-        sent = source.broadcast_weights(chunk_bytes)
-        results = ray.get(receiving)
+        try:
+            ray.get([h.check_manifest.remote(manifest) for h in handles])  # before anyone waits in a broadcast
+            receiving = [h.receive_weights.remote(manifest, chunk_bytes, version) for h in handles]
+            sent = source.broadcast_weights(chunk_bytes)
+            results = ray.get(receiving)
+        except BaseException:
+            # A member that failed part way (or a restarted worker without the group) leaves the group
+            # unusable: the next refit makes a new one.
+            self._joined = None
+            raise
         if bad := [(i, r["bytes"]) for i, r in enumerate(results) if r["bytes"] != sent["bytes"]]:
             raise RuntimeError(f"refit to version {version}: the policy sent {sent['bytes']:.0f} bytes but rollout "
                                f"workers (rank, bytes loaded) {bad} loaded another amount")

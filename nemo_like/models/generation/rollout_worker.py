@@ -101,6 +101,8 @@ class RolloutWorker:
         self._refit_group = collective_refit.open_group(host, port, rank, world, backend)
 
     def check_manifest(self, manifest: collective_refit.Manifest) -> None:
+        if getattr(self, "_refit_group", None) is None:  # e.g. restarted by Ray since the group was made
+            raise RuntimeError(f"rollout worker {self.rank} is not in the refit group (restarted?); it is made anew")
         collective_refit.check_manifest(manifest, self._params, f"rollout worker {self.rank}")
 
     @torch.no_grad()

@@ -846,3 +846,30 @@ def test_call_latency_delays_every_call_and_calls_wait_side_by_side() -> None:
     t0 = time.monotonic()
     plain.step(logs[:1], [{"ground_truth": "1"}])
     assert time.monotonic() - t0 < 0.3
+
+
+def test_steps_running_at_once_share_the_slots_instead_of_failing() -> None:
+    """The actor runs max_concurrent_steps calls on threads: a step whose tool is busy with another
+    step's (live, not abandoned) calls waits for a slot; the calls are not failed."""
+    import threading
+
+    assert ToolEnvironment.max_concurrent_steps > 1
+    env = ToolEnvironment({"tools": ["add"], "timeout_s": 2.0, "call_latency_s": 0.3, "max_concurrent_calls": 8,
+                           "max_stuck_calls": 4})
+    logs = [[user(f"{i}+1=?"), assistant(call("add", a=i, b=1))] for i in range(4)]
+    rets = [None, None]
+
+    def run(j: int) -> None:
+        rets[j] = env.step(logs, [{"ground_truth": str(i + 1)} for i in range(4)])
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.monotonic() - t0
+    for ret in rets:  # 8 calls of one tool, 4 at a time: the second four waited for the first
+        assert [o["content"] for o in ret.observations] == [f"<tool_response>{i + 1}</tool_response>" for i in range(4)]
+        assert ret.metrics["num_tool_errors"] == 0
+    assert 0.6 <= took < 1.5, took
