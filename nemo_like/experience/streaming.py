@@ -30,7 +30,7 @@ import torch
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.supervision import first_line_of_error
 from nemo_like.experience.rollouts import Episodes, _restart, call_failed, run_multi_turn_rollout, split_return
-from nemo_like.models.generation.engine import ContinuousBatcher, unsupported_reason
+from nemo_like.models.generation.engine import ContinuousBatcher, decoding_mode, unsupported_reason
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig, GenerationInterface
 from nemo_like.models.generation.prefix_cache import PrefixCache
@@ -116,9 +116,9 @@ class EpisodeStream:
         refs = list(self.in_flight)
         deadlines = [d for _, _, d in self.in_flight.values() if d is not None]
         timeout = 0 if not wait else (max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
-        done, _ = ray.wait(list(refs), num_returns=1 if wait else len(refs), timeout=timeout)
+        done, _ = ray.wait(refs, num_returns=1 if wait else len(refs), timeout=timeout)
         if done:  # and any other that returned meanwhile
-            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         now = time.monotonic()
         for ref, (task, idx, deadline) in list(self.in_flight.items()):
             if ref in done:
@@ -171,9 +171,7 @@ def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, An
     ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
     source = EpisodeStream(ep, envs, step_timeouts, version, step_concurrency)
     t0 = time.perf_counter()
-    # FSDP2's hooks write to parameters in place, which inference mode forbids (as continuous_generate).
-    fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
-    with torch.no_grad() if fsdp else torch.inference_mode():
+    with decoding_mode(model):
         ContinuousBatcher(model, tokenizer, None, cfg, greedy=greedy, max_total_length=max_total_length,
                           slots=slots, device=device, prefix_cache=prefix_cache).run(source)
     wall = time.perf_counter() - t0

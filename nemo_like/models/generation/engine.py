@@ -434,14 +434,18 @@ class ContinuousBatcher:
         )
 
 
+def decoding_mode(model):
+    """inference_mode (no autograd bookkeeping), or no_grad for an FSDP2 model: its hooks write to
+    parameters in place, which inference mode forbids on ordinary tensors."""
+    fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    return torch.no_grad() if fsdp else torch.inference_mode()
+
+
 def continuous_generate(model, tokenizer, data: BatchedDataDict, cfg: GenerationConfig, *, greedy: bool,
                         max_total_length: int, slots: int, device: torch.device,
                         prefix_cache: PrefixCache | None = None) -> BatchedDataDict:
     """`hf_generate`'s contract, decoded by continuous batching over `slots` rows (see module doc)."""
-    # inference_mode skips autograd bookkeeping; FSDP2's hooks write to parameters in place, which
-    # inference mode forbids on ordinary tensors, so sharded models get no_grad.
-    fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
-    with torch.no_grad() if fsdp else torch.inference_mode():
+    with decoding_mode(model):
         out = ContinuousBatcher(model, tokenizer, data, cfg, greedy=greedy, max_total_length=max_total_length,
                                 slots=slots, device=device, prefix_cache=prefix_cache).run()
     # Cloned outside inference mode: inference tensors cannot be saved for backward, and the training
