@@ -181,10 +181,13 @@ class GRPOTrainer:
                 self.policy.finish_training()
 
             # 6. Weight sync: a separate rollout group gets the new weights (version = optimizer steps).
+            # Async: the trainer goes on once they are exported; a rollout worker mid-call loads them
+            # when that call ends, before any later call (its samples record the version they used).
             refit_metrics = {}
             if self.generator is not self.policy:
                 with timer.time("weight_sync"):
-                    refit_metrics = self.generator.update_weights_from(self.policy, version=self.step_count + 1)
+                    refit_metrics = self.generator.update_weights_from(self.policy, version=self.step_count + 1,
+                                                                       wait=self.async_rollouts is None)
                 if self.async_rollouts is not None:
                     self.async_rollouts.weights_updated(self.step_count + 1)
 

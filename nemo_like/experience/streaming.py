@@ -10,9 +10,9 @@ prefilled again: the tiny and SmolLM2-sized models prefill a turn in one forward
 the next free rows.
 
 Environment calls are batched per task: at most ``step_concurrency[task]`` calls (the environment's
-``max_concurrent_steps``; 1 by default) are in flight at once; samples that end their turn
-meanwhile wait for one to return and then go together. The per-call time limit,
-the restart of a hung actor and the unscorable-sample rules are those of ``calculate_rewards``.
+``max_concurrent_steps``; 1 by default) are in flight at once, each carrying an even share of the
+samples still to come, and the last free one carries whatever ends last (see ``_dispatch``). The
+per-call time limit, the restart of a hung actor and the unscorable-sample rules are those of ``calculate_rewards``.
 
 This runs in the process that holds the model (a training worker with one rank, or a rollout
 worker) and calls the environment actors from there.
@@ -79,6 +79,7 @@ class EpisodeStream:
             lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
             reqs = batcher.add(ids, lengths, [self.ep.stop_strings[i] for i in ready])
             self.request_of.update(zip(reqs, ready))
+        self._dispatch()  # episodes that ended are no longer counted as to come
 
     def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None:
         for r in requests:
@@ -93,14 +94,23 @@ class EpisodeStream:
 
     # ---- environment calls --------------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Send each task's waiting samples in one call, unless that task has all the calls it may
-        have in flight."""
+        """Send each task's waiting samples in calls of a useful size.
+
+        A task with ``c`` call slots splits the samples still to come (waiting or decoding) evenly
+        over its free slots, and keeps its last free slot for the samples that end last: sending
+        each sample the moment it ends would spend every slot on the first few (a tool that waits
+        a second per call then holds the rest for a second more)."""
         ep = self.ep
         busy: dict[str, int] = {}
         for task, _, _ in self.in_flight.values():
             busy[task] = busy.get(task, 0) + 1
+        decoding: dict[str, int] = {}
+        for i in [*self.request_of.values(), *(i for i in self.ready if ep.wants_turn(i))]:
+            decoding[ep.task_names[i]] = decoding.get(ep.task_names[i], 0) + 1
         for task, idx in self.to_grade.items():
-            if not idx or busy.get(task, 0) >= self.concurrency.get(task, 1):
+            free = self.concurrency.get(task, 1) - busy.get(task, 0)
+            left = decoding.get(task, 0)
+            if not idx or free <= 0 or (left and (free == 1 or len(idx) < -(-(len(idx) + left) // free))):
                 continue
             ref = self.envs[task].step.remote([ep.message_logs[i] for i in idx], [ep.env_infos[i] for i in idx])
             limit = self.limits.get(task, math.inf)

@@ -38,6 +38,8 @@ from __future__ import annotations
 import abc
 import os
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -72,22 +74,42 @@ class WeightTransport(abc.ABC):
         """Returns at least ``refit/bytes`` (per receiver) and ``refit/chunks``; raises if any
         worker did not load the whole model."""
 
+    def start(self, source: WeightSource, workers: RayWorkerGroup, version: int,
+              chunk_bytes: int) -> Callable[[], dict[str, float]]:
+        """Begin a refit and return what finishes it (``push``'s metrics and errors). A transport
+        whose source must take part to the end (a broadcast) does it all here."""
+        metrics = self.push(source, workers, version, chunk_bytes)
+        return lambda: metrics
+
 
 class ObjectStoreTransport(WeightTransport):
     name = "object_store"
 
     def push(self, source: WeightSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> dict[str, float]:
+        return self.start(source, workers, version, chunk_bytes)()
+
+    def start(self, source: WeightSource, workers: RayWorkerGroup, version: int,
+              chunk_bytes: int) -> Callable[[], dict[str, float]]:
+        # Once the chunks are in the object store the policy may train on: the workers load them
+        # when their current call ends (actor calls run one at a time, in the order sent).
         refs, total = source.export_weights(chunk_bytes)
         n_chunks = len(refs)
         # The list goes as one argument: Ray resolves only top-level refs, so each worker gets the
         # refs themselves and fetches the chunks one by one.
-        results = workers.get_all_worker_results(workers.run_all_workers_single_data("update_weights", refs, version))
-        del refs  # the last holder: the chunks leave the object store
-        if bad := [(i, r["bytes"]) for i, r in enumerate(results) if int(r["bytes"]) != total]:
-            raise RuntimeError(f"refit to version {version}: the policy exported {total} bytes but rollout "
-                               f"workers (rank, bytes loaded) {bad} loaded another amount")
-        return {"refit/bytes": float(total), "refit/chunks": float(n_chunks),
-                "refit/load_seconds_max": max(r["seconds"] for r in results)}
+        loading = workers.run_all_workers_single_data("update_weights", refs, version)
+
+        def finish() -> dict[str, float]:
+            nonlocal refs
+            try:
+                results = workers.get_all_worker_results(loading)
+            finally:
+                refs = None  # the last holder: the chunks leave the object store
+            if bad := [(i, r["bytes"]) for i, r in enumerate(results) if int(r["bytes"]) != total]:
+                raise RuntimeError(f"refit to version {version}: the policy exported {total} bytes but rollout "
+                                   f"workers (rank, bytes loaded) {bad} loaded another amount")
+            return {"refit/bytes": float(total), "refit/chunks": float(n_chunks),
+                    "refit/load_seconds_max": max(r["seconds"] for r in results)}
+        return finish
 
 
 class CollectiveSource(WeightSource, Protocol):
@@ -178,10 +200,12 @@ class RolloutGroup(GenerationInterface):
         self._on_gpu = bool(gpus)
         self._version = 0
         self._pad_id: int | None = None
+        self._pending_refit: Callable[[], dict[str, float]] | None = None  # update_weights_from(wait=False)
 
     @property
     def policy_version(self) -> int:
-        """The version of the last successful refit (0: the weights of ``policy.model_name``)."""
+        """The version of the last refit (0: the weights of ``policy.model_name``): the weights every
+        call sent to the workers from now on sees."""
         return self._version
 
     # ---- generation ---------------------------------------------------------------------------
@@ -235,22 +259,44 @@ class RolloutGroup(GenerationInterface):
             self._all("release_generation_memory")
 
     # ---- refit --------------------------------------------------------------------------------
-    def update_weights_from(self, policy: WeightSource, version: int) -> dict[str, float]:
+    def update_weights_from(self, policy: WeightSource, version: int, wait: bool = True) -> dict[str, float]:
         """Send ``policy``'s current weights to every worker as ``version``: ``timing/weight_sync``
-        (seconds, export and load), ``refit/bytes`` (moved to each worker), ``refit/chunks``."""
+        (seconds, export and load), ``refit/bytes`` (moved to each worker), ``refit/chunks``.
+
+        ``wait=False`` (the object store transport; others always wait) returns once the weights
+        are exported: every call to the workers sent after this one sees them, and a worker busy
+        with a rollout loads them when that call ends, while the policy trains on. Its load is
+        checked, and its metrics returned (``refit/`` keys), by ``finish_refit``, which the next
+        refit and the checks below call first."""
         chunk_bytes = max(1, int(self.cfg.generation.refit_chunk_mb * _MIB))
+        previous = self.finish_refit()
         t0 = time.perf_counter()
-        metrics = self.transport.push(policy, self.workers, int(version), chunk_bytes)
+        finish = self.transport.start(policy, self.workers, int(version), chunk_bytes)
         self._version = int(version)
-        return {"timing/weight_sync": time.perf_counter() - t0, **metrics}
+        if wait:
+            return {"timing/weight_sync": time.perf_counter() - t0, **finish()}
+        self._pending_refit = finish
+        return {"timing/weight_sync": time.perf_counter() - t0, **previous}
+
+    def finish_refit(self) -> dict[str, float]:
+        """Wait for a refit sent with ``wait=False`` to load (raising as a blocking one would);
+        its ``refit/`` metrics, or {} if none is pending."""
+        finish, self._pending_refit = self._pending_refit, None
+        return finish() if finish is not None else {}
 
     def weights_checksums(self) -> list[str]:
+        self.finish_refit()
         return self._all("weights_checksum")
 
     def worker_versions(self) -> list[int]:
+        self.finish_refit()
         return self._all("policy_version")
 
     def shutdown(self) -> None:
+        try:
+            self.finish_refit()
+        except Exception as e:  # noqa: BLE001 - the workers go anyway; say what their last load did
+            warnings.warn(f"the last refit of {self.workers.name_prefix} failed: {e}", stacklevel=2)
         self.workers.shutdown()
         self.cluster.shutdown()
 

@@ -255,6 +255,48 @@ def test_policy_version_tags_every_sample(policy, rollout, tok):
     assert rollout.policy_version == 7 and rollout.worker_versions() == [7]
 
 
+class _OneTensorSource:
+    """A policy whose export sends one tensor of the model and nothing else (a refit that fails)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor):
+        self.name, self.tensor = name, tensor
+
+    def export_weights(self, chunk_bytes: int):
+        return [ray.put([(self.name, self.tensor)])], self.tensor.numel() * self.tensor.element_size()
+
+
+def test_refit_without_waiting_lands_between_calls(policy, rollout, model_dir, tok):
+    """wait=False returns once the weights are exported: a call already sent runs on the old weights,
+    every later one on the new, and finish_refit reports (or raises) what the load did."""
+    rollout.update_weights_from(policy, version=20)
+    policy.train(_train_batch(tok), NLLLossFn())  # the policy moves on: version 21 differs
+    data = _batch(tok, PROMPTS)
+    before = rollout.generate_async(data, greedy=True)  # in flight (or queued) at the refit
+    m = rollout.update_weights_from(policy, version=21, wait=False)
+    assert "refit/bytes" not in m and rollout.policy_version == 21  # nothing pending before this one
+    after = rollout.generate(data, greedy=True)
+    assert rollout.collect(before)["policy_version"].tolist() == [20] * len(PROMPTS)
+    assert after["policy_version"].tolist() == [21] * len(PROMPTS)
+    assert torch.equal(after["output_ids"], policy.generate(data, greedy=True)["output_ids"])
+    done = rollout.finish_refit()
+    assert done["refit/bytes"] == _param_bytes(model_dir)[1] and rollout.finish_refit() == {}
+    assert rollout.weights_checksums() == [policy.weights_checksum()]
+    # The next refit without waiting returns the metrics of the one before it.
+    rollout.update_weights_from(policy, version=22, wait=False)
+    assert rollout.update_weights_from(policy, version=23, wait=False)["refit/bytes"] == done["refit/bytes"]
+    assert rollout.worker_versions() == [23]
+    # A load that fails shows at the next check, and the worker refuses to generate meanwhile.
+    emb = "model.embed_tokens.weight"
+    bad = _OneTensorSource(emb, AutoModelForCausalLM.from_pretrained(model_dir).get_parameter(emb).detach())
+    rollout.update_weights_from(bad, version=24, wait=False)  # returns: the load has not been checked
+    with pytest.raises(RuntimeError, match="weights are a mix of two versions"):
+        rollout.generate(data, greedy=True)
+    with pytest.raises(RuntimeError, match=r"refit to version 24: .*never sent"):
+        rollout.finish_refit()
+    rollout.update_weights_from(policy, version=25)  # a whole refit repairs it
+    assert rollout.weights_checksums() == [policy.weights_checksum()] and rollout.worker_versions() == [25]
+
+
 def test_lora_refit_sends_merged_weights(policy, cluster, rollout, model_dir, tok, tmp_path):
     """The adapter trains under FSDP2 (its A/B are shards too); the rollout model, a plain HF model,
     computes what the policy computes once the merged weights arrive."""
