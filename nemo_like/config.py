@@ -93,6 +93,10 @@ class GRPOConfig(_Strict):
     max_consecutive_env_failures: int = Field(3, ge=0)
     # Time limit of one environment step call, unless env.<name>.step_timeout_s sets its own.
     env_step_timeout_s: float = Field(600.0, gt=0)
+    # Turn by turn, tasks whose environment calls took at least this many seconds (moving average)
+    # are generated first, and their calls run while the other tasks generate (a tool waiting on a
+    # web API, a slow sandbox). null: every turn is one generate call, then all calls.
+    slow_env_first_s: float | None = Field(0.5, gt=0)
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     stop_on_collapse: CollapseStopConfig = CollapseStopConfig()
     async_rollouts: AsyncRolloutsConfig = AsyncRolloutsConfig()

@@ -38,6 +38,7 @@ from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
+from nemo_like.experience.env_waves import EnvTimes
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
 from nemo_like.utils.checkpoint import (
     CheckpointError,
@@ -81,6 +82,8 @@ class GRPOTrainer:
     env_names: dict[str, str] = field(default_factory=dict)
 
     collapse_watch: CollapseWatch = field(init=False)
+    # Environment call times per task (grpo.slow_env_first_s): which tasks a turn generates first.
+    env_times: EnvTimes | None = field(init=False, default=None)
     stop_reason: str | None = None  # why the run stopped early (a collapse), else None
     # What generates: the policy itself (colocated) or a rollout group that is sent the weights after
     # every update (policy.generation.colocated: false). None: the policy.
@@ -93,6 +96,8 @@ class GRPOTrainer:
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
         self.generator = self.generator if self.generator is not None else self.policy
         self._local = threading.local()
+        s = self.config.grpo.slow_env_first_s
+        self.env_times = EnvTimes(s) if s is not None else None  # per task, across steps and validation
 
     # ---- one GRPO step --------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -255,7 +260,8 @@ class GRPOTrainer:
             self._local.tokenizer = tokenizer
         return run_multi_turn_rollout(generator or self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
                                       max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
-                                      step_timeouts=limits, step_concurrency=step_concurrency(task_envs))
+                                      step_timeouts=limits, step_concurrency=step_concurrency(task_envs),
+                                      env_times=self.env_times)
 
     def _async_runner(self) -> AsyncRolloutRunner | None:
         """The producer of grpo.async_rollouts, made at the first step (after any resume)."""

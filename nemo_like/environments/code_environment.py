@@ -169,6 +169,9 @@ class CodeEnvConfig(EnvConfig):
     max_processes: int = Field(default=8, ge=1, strict=True)
     max_output_bytes: int = Field(default=65536, ge=1, strict=True)  # a program printing more is killed, scores 0
     reward_mode: Literal["fraction", "all_or_nothing"] = "fraction"  # fraction of tests passed, or all or nothing
+    # samples of one step that wrote the same program for the same tests share one run (a group's
+    # samples often agree); false: every sample runs, e.g. to grade programs that may pass by chance
+    share_identical_runs: bool = Field(default=True, strict=True)
     allow_unsandboxed: bool = Field(default=False, strict=True)  # without bubblewrap: rlimits only (warned), not an error
     bwrap_path: str | None = Field(default=None, min_length=1, strict=True)  # None: `bwrap` on PATH
     python_executable: str | None = Field(default=None, min_length=1, strict=True)  # None: the interpreter behind sys.executable
@@ -258,7 +261,8 @@ class CodeEnvironment(EnvironmentInterface):
     does a run the sandbox itself could not start); a program over the time limit counts in
     ``num_timeouts``. Metrics: ``accuracy`` (share of samples passing all their tests),
     ``pass_fraction_mean``, ``num_failures``, ``num_timeouts``, ``num_runtime_errors`` (program
-    raised, exited early or was killed by a limit), ``num_output_limits``.
+    raised, exited early or was killed by a limit), ``num_output_limits``, ``num_runs`` (sandbox
+    runs: samples that wrote the same program for the same tests share one, ``share_identical_runs``).
     """
 
     config_model: ClassVar[type[EnvConfig]] = CodeEnvConfig
@@ -267,7 +271,7 @@ class CodeEnvironment(EnvironmentInterface):
         parsed = validate_env_config("code", self.config_model, config)
         cfg = parsed.model_dump(exclude=set(TRAINER_SIDE_KEYS))
         self.config = cfg
-        sandbox_keys = [k for k in cfg if k != "reward_mode"]
+        sandbox_keys = [k for k in cfg if k not in ("reward_mode", "share_identical_runs")]
         sandbox_config = SandboxConfig(**{k: tuple(cfg[k]) if k == "extra_ro_binds" else cfg[k] for k in sandbox_keys})
         self._sandbox = Sandbox(sandbox_config)  # raises SandboxUnavailableError without bubblewrap
 
@@ -288,6 +292,7 @@ class CodeEnvironment(EnvironmentInterface):
         fractions = [0.0] * n
         results: list[SandboxResult | None] = [None] * n
         counts = {"failures": 0, "timeouts": 0, "runtime_errors": 0, "output_limits": 0}
+        num_runs = 0
         try:
             jobs: list[tuple[str, list[str]]] = []
             rows: list[int] = []
@@ -297,11 +302,18 @@ class CodeEnvironment(EnvironmentInterface):
                     rows.append(i)
                 except Exception:  # _BadItem, or a message log that is not even iterable
                     counts["failures"] += 1
+            # Each distinct (program, tests) runs once; its result goes to every sample that wrote it.
+            distinct: dict[tuple[str, tuple[str, ...]], int] = {}
+            share = self.config["share_identical_runs"]
+            which = [distinct.setdefault((p, tuple(t)), len(distinct)) if share else k for k, (p, t) in enumerate(jobs)]
+            runs = [(p, list(t)) for p, t in distinct] if share else jobs
+            num_runs = len(runs)
             if jobs:
                 try:
-                    outcomes = self._sandbox.run_many(jobs)
+                    ran = self._sandbox.run_many(runs)
                 except Exception as e:  # e.g. cannot start threads: score 0, keep training
-                    outcomes = [SandboxResult("sandbox_error", [False] * len(t), error=repr(e)) for _, t in jobs]
+                    ran = [SandboxResult("sandbox_error", [False] * len(t), error=repr(e)) for _, t in runs]
+                outcomes = [ran[k] for k in which]
                 all_or_nothing = self.config["reward_mode"] == "all_or_nothing"
                 for i, result in zip(rows, outcomes):
                     results[i] = result
@@ -320,6 +332,7 @@ class CodeEnvironment(EnvironmentInterface):
             fractions = [0.0] * n
             results = [None] * n
             counts = {"failures": n, "timeouts": 0, "runtime_errors": 0, "output_limits": 0}
+            num_runs = 0
 
         import torch  # lazily: importing this module must stay cheap
 
@@ -337,6 +350,7 @@ class CodeEnvironment(EnvironmentInterface):
                 "num_output_limits": float(counts["output_limits"]),
                 "accuracy": float(accuracy),
                 "pass_fraction_mean": float(sum(fractions) / n) if n else 0.0,
+                "num_runs": float(num_runs),  # sandbox runs: fewer than samples when some wrote the same program
             },
         )
 

@@ -18,6 +18,7 @@ import torch
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentReturn
 from nemo_like.environments.supervision import START_TIMEOUT_S, first_line_of_error
+from nemo_like.experience.env_waves import EnvTimes
 from nemo_like.models.generation.interfaces import GenerationInterface
 
 
@@ -55,40 +56,61 @@ def calculate_rewards(message_logs: list[list[dict]], task_names: list[str], env
     ``env/<task>/step_timeouts``. A timed-out actor is restarted, so a hung grader costs one call,
     not the run.
     """
-    n = len(message_logs)
-    rewards = torch.zeros(n, dtype=torch.float32)
-    returns: list[EnvironmentReturn | None] = [None] * n
-    errors: list[str | None] = [None] * n
-    metrics: dict[str, float] = {}
-    by_task: dict[str, list[int]] = {}
-    for i, t in enumerate(task_names):
-        by_task.setdefault(t, []).append(i)
-    futures, deadlines = {}, {}
-    for task, idx in by_task.items():
-        if task not in envs:
-            raise KeyError(f"no environment for task {task!r}; configured: {sorted(envs)}")
-        futures[task] = envs[task].step.remote([message_logs[i] for i in idx], [env_infos[i] for i in idx])
-        limit = (step_timeouts or {}).get(task, math.inf)
-        deadlines[task] = time.monotonic() + limit if math.isfinite(limit) else None
-    for task, fut in futures.items():
-        idx = by_task[task]
-        try:
-            left = None if deadlines[task] is None else max(0.0, deadlines[task] - time.monotonic())
-            ret: EnvironmentReturn = ray.get(fut, timeout=left)
-        except ray.exceptions.GetTimeoutError:
-            _restart(envs[task], fut)
-            rets, m, err = call_failed(task, len(idx), f"step timed out after {step_timeouts[task]:g} s; actor restarted",
-                                       "step_timeouts")
-        except Exception as e:  # a crashed grader must not end the run
-            rets, m, err = call_failed(task, len(idx), first_line_of_error(e), "step_errors")
-        else:
-            rets, m, err = split_return(task, ret, len(idx))
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v
-        for j, i in enumerate(idx):
-            returns[i], errors[i] = rets[j], err
-            rewards[i] = math.nan if rets[j] is None else float(rets[j].rewards[0])
-    return rewards, returns, metrics, errors
+    return send_rewards(message_logs, task_names, env_infos, envs, step_timeouts).collect()
+
+
+class PendingRewards:
+    """``calculate_rewards``'s calls, sent; ``collect()`` waits for them and returns its outputs."""
+
+    def __init__(self, message_logs: list[list[dict]], task_names: list[str], env_infos: list[dict],
+                 envs: dict[str, Any], step_timeouts: dict[str, float] | None, env_times: EnvTimes | None,
+                 turn: int = 0):
+        self.n, self.envs, self.step_timeouts = len(message_logs), envs, step_timeouts
+        self.by_task: dict[str, list[int]] = {}
+        for i, t in enumerate(task_names):
+            self.by_task.setdefault(t, []).append(i)
+        self.futures, self.deadlines = {}, {}
+        for task, idx in self.by_task.items():
+            if task not in envs:
+                raise KeyError(f"no environment for task {task!r}; configured: {sorted(envs)}")
+            self.futures[task] = envs[task].step.remote([message_logs[i] for i in idx], [env_infos[i] for i in idx])
+            if env_times is not None:
+                env_times.watch(task, turn, self.futures[task])
+            limit = (step_timeouts or {}).get(task, math.inf)
+            self.deadlines[task] = time.monotonic() + limit if math.isfinite(limit) else None
+
+    def collect(self) -> tuple[torch.Tensor, list[EnvironmentReturn | None], dict[str, float], list[str | None]]:
+        n = self.n
+        rewards = torch.zeros(n, dtype=torch.float32)
+        returns: list[EnvironmentReturn | None] = [None] * n
+        errors: list[str | None] = [None] * n
+        metrics: dict[str, float] = {}
+        for task, fut in self.futures.items():
+            idx = self.by_task[task]
+            try:
+                left = None if self.deadlines[task] is None else max(0.0, self.deadlines[task] - time.monotonic())
+                ret: EnvironmentReturn = ray.get(fut, timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                _restart(self.envs[task], fut)
+                rets, m, err = call_failed(task, len(idx), f"step timed out after {self.step_timeouts[task]:g} s; "
+                                           "actor restarted", "step_timeouts")
+            except Exception as e:  # a crashed grader must not end the run
+                rets, m, err = call_failed(task, len(idx), first_line_of_error(e), "step_errors")
+            else:
+                rets, m, err = split_return(task, ret, len(idx))
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+            for j, i in enumerate(idx):
+                returns[i], errors[i] = rets[j], err
+                rewards[i] = math.nan if rets[j] is None else float(rets[j].rewards[0])
+        return rewards, returns, metrics, errors
+
+
+def send_rewards(message_logs: list[list[dict]], task_names: list[str], env_infos: list[dict],
+                 envs: dict[str, Any], step_timeouts: dict[str, float] | None = None,
+                 env_times: EnvTimes | None = None, turn: int = 0) -> PendingRewards:
+    """Send ``calculate_rewards``'s calls without waiting (``env_times``: time each, as after ``turn``)."""
+    return PendingRewards(message_logs, task_names, env_infos, envs, step_timeouts, env_times, turn)
 
 
 def split_return(task: str, ret: EnvironmentReturn, n: int
@@ -283,7 +305,7 @@ class Episodes:
 def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, tokenizer, envs: dict[str, Any],
                            *, max_turns: int, max_seq_len: int, greedy: bool = False,
                            step_timeouts: dict[str, float] | None = None,
-                           step_concurrency: dict[str, int] | None = None
+                           step_concurrency: dict[str, int] | None = None, env_times: EnvTimes | None = None
                            ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Generate, let each sample's environment answer, append its observation, repeat (the rules:
     :class:`Episodes`). Single-turn tasks take exactly one turn.
@@ -292,7 +314,9 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
     one process) runs them there instead: an episode's next turn is admitted as soon as its
     environment answers, while the others keep decoding; a task's environment gets at most
     ``step_concurrency[task]`` calls at once (default 1). Otherwise turn by turn: every active
-    sample's turn is generated, then all are graded, then the next turn starts.
+    sample's turn is generated, then all are graded, then the next turn starts; with ``env_times``
+    (:mod:`~nemo_like.experience.env_waves`) the tasks whose calls are slow are generated first and
+    graded while the others generate (``env_waves``: generate calls per turn).
     """
     if getattr(policy, "streams_episodes", lambda: False)():
         return policy.generate_episodes(batch, envs, max_turns=max_turns, max_seq_len=max_seq_len,
@@ -300,28 +324,42 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
                                         step_concurrency=step_concurrency)
     ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
     active = list(range(ep.n))
-    generation_s = 0.0
+    generation_s, turns, waves_sent = 0.0, 0, 0
     while active:
         active = [i for i in active if ep.wants_turn(i)]
         if not active:
             break
-        flat = flatten_message_logs([ep.message_logs[i] for i in active], tokenizer.pad_token_id)
-        gen_in = BatchedDataDict(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
-        if any(ep.stop_strings[i] for i in active):
-            gen_in["stop_strings"] = [ep.stop_strings[i] for i in active]
-        t0 = time.perf_counter()
-        gen = policy.generate(gen_in, greedy=greedy)
-        generation_s += time.perf_counter() - t0
-        for j, i in enumerate(active):
-            start, end = int(flat["input_lengths"][j]), int(gen["unpadded_sequence_lengths"][j])
-            ep.add_turn(i, gen["output_ids"][j, start:end].clone(), gen["logprobs"][j, start:end].clone(),
-                        hit_limit=bool(gen["truncated"][j]),
-                        version=int(gen["policy_version"][j]) if "policy_version" in gen else None)
-        _, returns, m, errors = calculate_rewards([ep.message_logs[i] for i in active], [ep.task_names[i] for i in active],
-                                                  [ep.env_infos[i] for i in active], envs, step_timeouts)
-        ep.add_env_metrics(m)
-        active = [i for j, i in enumerate(active) if ep.apply_return(i, returns[j], errors[j])]
-    return ep.result(generation_s)
+        names = [ep.task_names[i] for i in active]
+        waves = env_times.waves(names, turns) if env_times is not None else [range(len(active))]
+        sent = []
+        for wave in waves:
+            ids = [active[j] for j in wave]
+            flat = flatten_message_logs([ep.message_logs[i] for i in ids], tokenizer.pad_token_id)
+            gen_in = BatchedDataDict(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
+            if any(ep.stop_strings[i] for i in ids):
+                gen_in["stop_strings"] = [ep.stop_strings[i] for i in ids]
+            t0 = time.perf_counter()
+            gen = policy.generate(gen_in, greedy=greedy)
+            generation_s += time.perf_counter() - t0
+            for j, i in enumerate(ids):
+                start, end = int(flat["input_lengths"][j]), int(gen["unpadded_sequence_lengths"][j])
+                ep.add_turn(i, gen["output_ids"][j, start:end].clone(), gen["logprobs"][j, start:end].clone(),
+                            hit_limit=bool(gen["truncated"][j]),
+                            version=int(gen["policy_version"][j]) if "policy_version" in gen else None)
+            # Sent at once: these samples' environments work while the next wave generates.
+            sent.append((ids, send_rewards([ep.message_logs[i] for i in ids], [ep.task_names[i] for i in ids],
+                                           [ep.env_infos[i] for i in ids], envs, step_timeouts, env_times, turns)))
+        turns, waves_sent = turns + 1, waves_sent + len(waves)
+        going_on = set()
+        for ids, pending in sent:
+            _, returns, m, errors = pending.collect()
+            ep.add_env_metrics(m)
+            going_on |= {i for j, i in enumerate(ids) if ep.apply_return(i, returns[j], errors[j])}
+        active = [i for i in active if i in going_on]
+    out, metrics = ep.result(generation_s)
+    if env_times is not None:
+        metrics["env_waves"] = waves_sent / max(turns, 1)
+    return out, metrics
 
 
 def _is_counter(key: str) -> bool:

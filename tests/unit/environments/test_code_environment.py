@@ -147,8 +147,8 @@ def test_typed_config_model():
     defaults = validate_env_config("code", CodeEnvConfig, None).model_dump()
     assert defaults == {
         "step_timeout_s": None, "timeout_s": 5.0, "max_concurrency": 2, "memory_limit_mb": 512, "max_processes": 8,
-        "max_output_bytes": 65536, "reward_mode": "fraction", "allow_unsandboxed": False, "bwrap_path": None,
-        "python_executable": None, "extra_ro_binds": [], "cgroup_parent": None,
+        "max_output_bytes": 65536, "reward_mode": "fraction", "share_identical_runs": True,
+        "allow_unsandboxed": False, "bwrap_path": None, "python_executable": None, "extra_ro_binds": [], "cgroup_parent": None,
     }
     bad = [
         ({"timeout_s": "5"}, "env.code.timeout_s"),  # strict: no strings for numbers
@@ -156,6 +156,7 @@ def test_typed_config_model():
         ({"max_processes": 2.0}, "env.code.max_processes"),
         ({"memory_limit_mb": -1}, "env.code.memory_limit_mb"),
         ({"allow_unsandboxed": "yes"}, "env.code.allow_unsandboxed"),
+        ({"share_identical_runs": 1}, "env.code.share_identical_runs"),
         ({"bwrap_path": ""}, "env.code.bwrap_path"),
         ({"extra_ro_binds": "/usr/share"}, "env.code.extra_ro_binds"),  # a string is not a list
         ({"extra_ro_binds": ["relative/dir"]}, "absolute"),
@@ -211,6 +212,26 @@ def test_step_mixed_batch(env):
     assert m["num_runtime_errors"] == 1.0 and m["num_output_limits"] == 1.0
     assert m["accuracy"] == pytest.approx(3 / 7)
     assert m["pass_fraction_mean"] == pytest.approx(3.5 / 7)
+
+
+@needs_bwrap
+def test_identical_programs_share_one_run(env):
+    """A group's samples often write the same program: it runs once and every sample gets its result
+    (the run's random error message shows which run a sample got)."""
+    rnd = "```python\nimport os\nraise ValueError(os.urandom(8).hex())\n```"
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+    batch, meta = [chat(rnd), chat(good), chat(rnd), chat(good), chat(rnd)], [{"tests": ADD_TESTS}] * 5
+    ret = env.step(batch, meta)
+    obs = [o["content"] for o in ret.observations]
+    assert ret.metrics["num_runs"] == 2.0 and ret.rewards.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert obs[0] == obs[2] == obs[4] and "the program failed: ValueError" in obs[0]
+    assert ret.metrics["num_runtime_errors"] == 3.0  # counted per sample, not per run
+    other_tests = env.step([chat(good), chat(good)], [{"tests": ADD_TESTS}, {"tests": ADD_TESTS[:2]}])
+    assert other_tests.metrics["num_runs"] == 2.0  # the same program for other tests is another run
+    apart = CodeEnvironment({**CONFIG, "share_identical_runs": False})
+    ret = apart.step(batch, meta)
+    obs = [o["content"] for o in ret.observations]
+    assert ret.metrics["num_runs"] == 5.0 and len({obs[0], obs[2], obs[4]}) == 3
 
 
 @needs_bwrap
