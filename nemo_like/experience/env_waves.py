@@ -10,7 +10,8 @@ only tasks whose calls took at least ``threshold_s`` on average go ahead on thei
 
 A call's time is measured from sending to the answer's arrival (a callback on the call's future,
 not when the loop looks), as an exponential moving average per task and turn: a tool task's first
-call runs the tool, its second only grades the answer.
+call runs the tool, its second only grades the answer. The first call of each is not counted: it
+pays for the actor's lazy start (imports, a sandbox's self-test), about a second here.
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ class EnvTimes:
             raise ValueError(f"threshold_s must be positive, got {threshold_s!r}")
         self.threshold_s, self.smoothing = float(threshold_s), float(smoothing)
         self.seconds: dict[tuple[str, int], float] = {}
+        self._seen: set[tuple[str, int]] = set()  # keys whose first call was left out
         self._lock = threading.Lock()  # rollout threads and the trainer's validation share one
 
-    def observe(self, task: str, turn: int, seconds: float) -> None:
+    def observe(self, task: str, turn: int, seconds: float, first: bool = False) -> None:
+        """Count one call (``first``: left out if it is the first of its task and turn)."""
         with self._lock:
+            if first and (task, turn) not in self._seen:
+                self._seen.add((task, turn))
+                return
             old = self.seconds.get((task, turn))
             self.seconds[(task, turn)] = seconds if old is None else old + self.smoothing * (seconds - old)
 
@@ -39,7 +45,7 @@ class EnvTimes:
         """Time the environment call ``ref`` (a Ray ObjectRef) after ``turn`` (0: the first) of
         ``task``'s samples, to when it returns."""
         t0 = time.monotonic()
-        ref.future().add_done_callback(lambda _f: self.observe(task, turn, time.monotonic() - t0))
+        ref.future().add_done_callback(lambda _f: self.observe(task, turn, time.monotonic() - t0, first=True))
 
     def waves(self, task_names: list[str], turn: int) -> list[list[int]]:
         """Positions of ``task_names`` (samples about to take ``turn``) in generation order: one wave

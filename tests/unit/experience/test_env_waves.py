@@ -29,6 +29,10 @@ def test_waves_put_slow_tasks_first_slowest_first_and_never_split_a_task():
     times.observe("code", 0, 0.2)  # moving average: 0.6 + 0.5 * (0.2 - 0.6) = 0.4, now below the bar
     assert times.seconds[("code", 0)] == pytest.approx(0.4)
     assert times.waves(names, 0) == [[1, 4], [0, 2, 3, 5]]
+    times.observe("b", 0, 9.0, first=True)  # a first call (an actor's start-up) is left out
+    assert ("b", 0) not in times.seconds
+    times.observe("b", 0, 0.1, first=True)
+    assert times.seconds[("b", 0)] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="threshold_s must be positive"):
         EnvTimes(0.0)
 
@@ -82,6 +86,8 @@ def test_a_slow_grader_works_while_the_other_tasks_generate(setup):
     kw = dict(max_turns=3, max_seq_len=200, greedy=True)
     ref, _ = run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, specs), tok, envs, **kw)
     times = EnvTimes(threshold_s=0.4)
+    run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, specs), tok, envs, env_times=times, **kw)
+    assert not times.seconds  # the first call of each task and turn is not counted
     first = TimedHF(model, tok)
     out, m = run_multi_turn_rollout(first, _batch(tok, specs), tok, envs, env_times=times, **kw)
     # Nothing was timed before: one generate call per turn, as without env_times; now it knows.
