@@ -74,26 +74,34 @@ class WeightTransport(abc.ABC):
         """Returns at least ``refit/bytes`` (per receiver) and ``refit/chunks``; raises if any
         worker did not load the whole model."""
 
-    def start(self, source: WeightSource, workers: RayWorkerGroup, version: int,
-              chunk_bytes: int) -> Callable[[], dict[str, float]]:
-        """Begin a refit and return what finishes it (``push``'s metrics and errors). A transport
-        whose source must take part to the end (a broadcast) does it all here."""
+    def start(self, source: WeightSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> PendingRefit:
+        """Begin a refit; ``finish()`` of the result waits for the load, checks it and returns
+        ``push``'s metrics. A transport whose source must take part to the end (a broadcast) does
+        it all here."""
         metrics = self.push(source, workers, version, chunk_bytes)
-        return lambda: metrics
+        return PendingRefit(metrics, lambda: metrics)
+
+
+@dataclass
+class PendingRefit:
+    """A refit under way: ``sent`` (``refit/bytes``, ``refit/chunks``: known once exported) and
+    ``finish`` (waits for every worker's load; its metrics, or the error a blocking refit raises)."""
+
+    sent: dict[str, float]
+    finish: Callable[[], dict[str, float]]
 
 
 class ObjectStoreTransport(WeightTransport):
     name = "object_store"
 
     def push(self, source: WeightSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> dict[str, float]:
-        return self.start(source, workers, version, chunk_bytes)()
+        return self.start(source, workers, version, chunk_bytes).finish()
 
-    def start(self, source: WeightSource, workers: RayWorkerGroup, version: int,
-              chunk_bytes: int) -> Callable[[], dict[str, float]]:
+    def start(self, source: WeightSource, workers: RayWorkerGroup, version: int, chunk_bytes: int) -> PendingRefit:
         # Once the chunks are in the object store the policy may train on: the workers load them
         # when their current call ends (actor calls run one at a time, in the order sent).
         refs, total = source.export_weights(chunk_bytes)
-        n_chunks = len(refs)
+        sent = {"refit/bytes": float(total), "refit/chunks": float(len(refs))}
         # The list goes as one argument: Ray resolves only top-level refs, so each worker gets the
         # refs themselves and fetches the chunks one by one.
         loading = workers.run_all_workers_single_data("update_weights", refs, version)
@@ -107,9 +115,8 @@ class ObjectStoreTransport(WeightTransport):
             if bad := [(i, r["bytes"]) for i, r in enumerate(results) if int(r["bytes"]) != total]:
                 raise RuntimeError(f"refit to version {version}: the policy exported {total} bytes but rollout "
                                    f"workers (rank, bytes loaded) {bad} loaded another amount")
-            return {"refit/bytes": float(total), "refit/chunks": float(n_chunks),
-                    "refit/load_seconds_max": max(r["seconds"] for r in results)}
-        return finish
+            return sent | {"refit/load_seconds_max": max(r["seconds"] for r in results)}
+        return PendingRefit(sent, finish)
 
 
 class CollectiveSource(WeightSource, Protocol):
@@ -265,18 +272,21 @@ class RolloutGroup(GenerationInterface):
 
         ``wait=False`` (the object store transport; others always wait) returns once the weights
         are exported: every call to the workers sent after this one sees them, and a worker busy
-        with a rollout loads them when that call ends, while the policy trains on. Its load is
-        checked, and its metrics returned (``refit/`` keys), by ``finish_refit``, which the next
-        refit and the checks below call first."""
+        with a rollout loads them when that call ends, while the policy trains on. It returns this
+        refit's ``refit/bytes`` and ``refit/chunks`` and the previous one's ``refit/load_seconds_max``;
+        the load is checked (and its metrics returned) by ``finish_refit``, which the next refit and
+        the checks below call first."""
         chunk_bytes = max(1, int(self.cfg.generation.refit_chunk_mb * _MIB))
         previous = self.finish_refit()
         t0 = time.perf_counter()
-        finish = self.transport.start(policy, self.workers, int(version), chunk_bytes)
+        pending = self.transport.start(policy, self.workers, int(version), chunk_bytes)
         self._version = int(version)
         if wait:
-            return {"timing/weight_sync": time.perf_counter() - t0, **finish()}
-        self._pending_refit = finish
-        return {"timing/weight_sync": time.perf_counter() - t0, **previous}
+            return {"timing/weight_sync": time.perf_counter() - t0, **pending.finish()}
+        self._pending_refit = pending.finish
+        # This refit's size now; the previous one's load time, checked just above.
+        load = {k: v for k, v in previous.items() if k == "refit/load_seconds_max"}
+        return {"timing/weight_sync": time.perf_counter() - t0, **pending.sent, **load}
 
     def finish_refit(self) -> dict[str, float]:
         """Wait for a refit sent with ``wait=False`` to load (raising as a blocking one would);
