@@ -12,8 +12,8 @@ from __future__ import annotations
 import ray
 import torch
 
+import nemo_like.models.policy.weight_export as weight_export
 from nemo_like.models.generation import collective_refit
-from nemo_like.models.policy import weight_export
 
 
 class RefitSourceMixin:
