@@ -140,6 +140,20 @@ def _sample(logits: torch.Tensor, greedy: bool, cfg: GenerationConfig) -> tuple[
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
+def _append(buf: torch.Tensor, used: int, rows: torch.Tensor, fill: int) -> torch.Tensor:
+    """``buf`` with ``rows`` written after its first ``used`` rows (a 2-D buffer as wide as the widest
+    rows, the rest ``fill``). Spare rows take later appends: the buffer doubles when full, so a
+    stream's many small additions cost one copy per doubling, not one of everything per addition."""
+    need = used + rows.shape[0]
+    width = tuple(max(a, b) for a, b in zip(buf.shape[1:], rows.shape[1:]))
+    if need > buf.shape[0] or width != tuple(buf.shape[1:]):
+        grown = torch.full((max(need, 2 * buf.shape[0]), *width), fill, dtype=buf.dtype, device=buf.device)
+        grown[(slice(0, used), *(slice(0, w) for w in buf.shape[1:]))] = buf[:used]
+        buf = grown
+    buf[(slice(used, need), *(slice(0, w) for w in rows.shape[1:]))] = rows
+    return buf
+
+
 class RequestSource(Protocol):
     """What feeds a streaming `ContinuousBatcher.run`: requests that arrive while others decode (the
     next turns of multi-turn episodes, once their environment answers)."""
@@ -200,16 +214,20 @@ class ContinuousBatcher:
             # and packing them (one copy of the cache) every budget/4 steps costs little next to the steps.
             longest = int(lengths.max()) + self.max_budget if B else 1
             self.columns = longest + max(self.max_budget // 4, 16)
-        self.input_ids = ids[:0]
-        self.input_dev = self.input_ids.to(device)
-        self.lengths = lengths[:0]
-        self.budgets = torch.zeros(0, dtype=torch.long, device=device)
-        # Per request: generated tokens and log-probs, written at (request, step) as rows advance.
-        self.tokens = torch.full((0, self.max_budget), self.pad_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros((0, self.max_budget), dtype=torch.float32, device=device)
-        self.gen_len = torch.zeros(0, dtype=torch.long, device=device)
-        self.ended = torch.zeros(0, dtype=torch.bool, device=device)  # EOS or a stop string
-        self.has_stop = torch.zeros(0, dtype=torch.bool, device=device)
+        # Per request (each attribute is a view of the first `count` rows of a buffer in `_buf` that
+        # grows by doubling): prompt ids (CPU and device), lengths, token budgets; the generated
+        # tokens and log-probs, written at (request, step) as rows advance; how many so far; whether
+        # the request ended by EOS or a stop string; whether it has stop strings.
+        self._buf = {"input_ids": ids[:0].long().cpu(), "input_dev": ids[:0].long().to(device),
+                     "lengths": torch.zeros(0, dtype=torch.long),
+                     "budgets": torch.zeros(0, dtype=torch.long, device=device),
+                     "tokens": torch.full((0, self.max_budget), self.pad_id, dtype=torch.long, device=device),
+                     "logprobs": torch.zeros((0, self.max_budget), dtype=torch.float32, device=device),
+                     "gen_len": torch.zeros(0, dtype=torch.long, device=device),
+                     "ended": torch.zeros(0, dtype=torch.bool, device=device),
+                     "has_stop": torch.zeros(0, dtype=torch.bool, device=device)}
+        for name, buf in self._buf.items():
+            setattr(self, name, buf)
         self.arange = torch.arange(max(self.columns, B, max_total_length) + 1, device=device)
         if B:
             self.add(ids, lengths, per)
@@ -221,22 +239,21 @@ class ContinuousBatcher:
         budgets = token_budgets(lengths, self.cfg, self.max_total_length).clamp(max=self.max_budget)
         if self.pos_limit is not None:  # learned absolute positions: a row may not run past the table
             budgets = torch.minimum(budgets, (self.pos_limit - lengths).clamp(min=1))
-        width = max(self.input_ids.shape[1], input_ids.shape[1])
-        pad = lambda t, w: torch.nn.functional.pad(t, (0, w - t.shape[1]), value=self.pad_id)  # noqa: E731
-        self.input_ids = torch.cat([pad(self.input_ids, width), pad(input_ids.long().cpu(), width)])
-        self.input_dev = self.input_ids.to(self.device) if self.count == 0 or width != self.input_dev.shape[1] \
-            else torch.cat([self.input_dev, self.input_ids[self.count:].to(self.device)])
-        self.lengths = torch.cat([self.lengths, lengths])
         dev = self.device
-        self.budgets = torch.cat([self.budgets, budgets.to(dev)])
-        self.tokens = torch.cat([self.tokens, torch.full((k, self.max_budget), self.pad_id, dtype=torch.long, device=dev)])
-        self.logprobs = torch.cat([self.logprobs, torch.zeros((k, self.max_budget), device=dev)])
-        self.gen_len = torch.cat([self.gen_len, torch.zeros(k, dtype=torch.long, device=dev)])
-        self.ended = torch.cat([self.ended, torch.zeros(k, dtype=torch.bool, device=dev)])
         common = set(self.cfg.stop_strings or [])
         stops = [tuple(sorted(set(s or []) | common)) for s in stop_strings]
         self.stops += stops
-        self.has_stop = torch.cat([self.has_stop, torch.tensor([bool(s) for s in stops], dtype=torch.bool, device=dev)])
+        new = {"input_ids": input_ids.long().cpu(), "input_dev": input_ids.long().to(dev), "lengths": lengths,
+               "budgets": budgets.to(dev),
+               "tokens": torch.full((k, self.max_budget), self.pad_id, dtype=torch.long, device=dev),
+               "logprobs": torch.zeros((k, self.max_budget), device=dev),
+               "gen_len": torch.zeros(k, dtype=torch.long, device=dev),
+               "ended": torch.zeros(k, dtype=torch.bool, device=dev),
+               "has_stop": torch.tensor([bool(s) for s in stops], dtype=torch.bool, device=dev)}
+        for name, rows in new.items():
+            fill = self.pad_id if name in ("input_ids", "input_dev", "tokens") else 0
+            self._buf[name] = _append(self._buf[name], self.count, rows, fill)
+            setattr(self, name, self._buf[name][: self.count + k])
         if new := {s for ss in stops for s in ss} - self._all_stops:
             self._all_stops |= new
             vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)

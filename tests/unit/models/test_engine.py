@@ -11,7 +11,7 @@ import torch
 from _nl_model_test_helpers import chat_prompts
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.models.generation.engine import continuous_generate, unsupported_reason
+from nemo_like.models.generation.engine import ContinuousBatcher, continuous_generate, unsupported_reason
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
 from nemo_like.models.generation.slots import Slots
@@ -218,3 +218,28 @@ def test_other_decoder_architectures(tiny, arch):
     assert unsupported_reason(model) is None
     data = _prompts(tok, G=2)
     _assert_same(_run(model, tok, data, "generate", max_total=60), _run(model, tok, data, "continuous", max_total=60))
+
+
+def test_requests_added_one_at_a_time_grow_their_buffers_by_doubling(tiny):
+    """A stream adds requests in small groups of any width: every request's row holds its own prompt
+    (the rest padding), and the buffers are copied once per doubling, not at every addition."""
+    tok, model = tiny
+    batcher = ContinuousBatcher(model, tok, None, GenerationConfig(max_new_tokens=4), greedy=True,
+                                max_total_length=64, slots=4, device=torch.device("cpu"))
+    rows, moves, last = [], 0, None
+    for n in range(1, 41):
+        width = 3 + (n * 7) % 11  # narrower and wider than the rows before
+        ids = torch.arange(n, n + width)[None] % 50 + 5
+        rows.append(ids[0])
+        assert batcher.add(ids, torch.tensor([width]), [None]) == [n - 1]
+        ptr = batcher._buf["tokens"].data_ptr()
+        moves, last = moves + (ptr != last), ptr
+    assert moves <= 7  # capacities 1, 2, 4, ..., 64: log2(40) + 1 copies
+    assert batcher.input_ids.shape[0] == batcher.tokens.shape[0] == len(batcher.lengths) == 40
+    for i, r in enumerate(rows):
+        assert torch.equal(batcher.input_ids[i, : len(r)], r) and int(batcher.lengths[i]) == len(r)
+        assert bool((batcher.input_ids[i, len(r):] == batcher.pad_id).all())
+        assert torch.equal(batcher.input_dev[i], batcher.input_ids[i])
+    batcher.run()
+    out = [batcher.result(i)[0] for i in range(40)]
+    assert all(1 <= len(t) <= 4 for t in out)
