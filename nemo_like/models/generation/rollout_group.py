@@ -167,6 +167,12 @@ class CollectiveTransport(WeightTransport):
                 "refit/load_seconds_max": max(r["seconds"] for r in results)}
 
 
+def per_worker_concurrency(step_concurrency: dict[str, int], num_workers: int) -> dict[str, int]:
+    """Each of ``num_workers`` streaming workers' share of a task's environment calls in flight (at
+    least one: with fewer slots than workers the environment may see one call per worker)."""
+    return {task: max(1, c // num_workers) for task, c in step_concurrency.items()}
+
+
 TRANSPORTS: dict[str, type[WeightTransport]] = {ObjectStoreTransport.name: ObjectStoreTransport,
                                                  CollectiveTransport.name: CollectiveTransport}
 
@@ -251,8 +257,12 @@ class RolloutGroup(GenerationInterface):
                 and callable(getattr(self.worker_cls, "generate_episodes", None)))
 
     def generate_episodes(self, batch: BatchedDataDict, envs: dict, **kwargs: Any) -> tuple[BatchedDataDict, dict[str, float]]:
-        """Each worker streams its share of the episodes (dealt round-robin, results in batch order)."""
+        """Each worker streams its share of the episodes (dealt round-robin, results in batch order).
+        A task's ``step_concurrency`` (calls its environment may have in flight) is shared out among
+        the workers, each keeping at least one."""
         sub = BatchedDataDict({k: batch[k] for k in EPISODE_KEYS if k in batch})
+        if kwargs.get("step_concurrency"):
+            kwargs = kwargs | {"step_concurrency": per_worker_concurrency(kwargs["step_concurrency"], self.num_workers)}
 
         def on(rank: int):
             handle = self.workers.workers[rank]

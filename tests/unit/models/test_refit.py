@@ -15,7 +15,7 @@ from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.experience.rollouts import run_multi_turn_rollout
 from nemo_like.models.generation.collective_refit import bucket_plan
-from nemo_like.models.generation.rollout_group import CollectiveTransport, RolloutGroup
+from nemo_like.models.generation.rollout_group import CollectiveTransport, RolloutGroup, per_worker_concurrency
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.lm_policy import Policy
 
@@ -328,3 +328,8 @@ def test_lora_refit_sends_merged_weights(policy, cluster, rollout, model_dir, to
         assert torch.allclose(ours["logprobs"], theirs["logprobs"], atol=1e-4)
     finally:
         p.shutdown()
+
+
+def test_streaming_workers_share_a_tasks_environment_calls():
+    assert per_worker_concurrency({"tool": 4, "math": 1, "code": 3}, 2) == {"tool": 2, "math": 1, "code": 1}
+    assert per_worker_concurrency({"tool": 4}, 1) == {"tool": 4}
