@@ -124,7 +124,9 @@ class AsyncRolloutRunner:
         lag = (step - versions).clamp(min=0)
         stale = lag > self.max_staleness
         dropped = int(stale.sum())
-        if dropped:  # only under "drop": "wait" never starts a batch that could end up here
+        # Only under "drop": "wait" never starts a batch that could end up here, unless a refit sent
+        # without waiting failed before loading anything (its error comes at the next refit).
+        if dropped:
             rb.batch["loss_multiplier"] = rb.batch["loss_multiplier"] * (~stale).float()
             self.dropped_stale += dropped
         kept = lag[~stale]  # what is trained on (nothing, if every sample is stale)

@@ -10,8 +10,9 @@ prefilled again: the tiny and SmolLM2-sized models prefill a turn in one forward
 the next free rows.
 
 Environment calls are batched per task: at most ``step_concurrency[task]`` calls (the environment's
-``max_concurrent_steps``; 1 by default) are in flight at once, each carrying an even share of the
-samples still to come, and the last free one carries whatever ends last (see ``_dispatch``). The
+``max_concurrent_steps``; 1 by default) are in flight at once. With one, whatever waits goes when it
+is free; with more, each call carries an even share of the samples still to come, and the last free
+one carries whatever ends last (see ``_dispatch``). The
 per-call time limit, the restart of a hung actor and the unscorable-sample rules are those of ``calculate_rewards``.
 
 This runs in the process that holds the model (a training worker with one rank, or a rollout
@@ -96,10 +97,11 @@ class EpisodeStream:
     def _dispatch(self) -> None:
         """Send each task's waiting samples in calls of a useful size.
 
-        A task with ``c`` call slots splits the samples still to come (waiting or decoding) evenly
-        over its free slots, and keeps its last free slot for the samples that end last: sending
-        each sample the moment it ends would spend every slot on the first few (a tool that waits
-        a second per call then holds the rest for a second more)."""
+        A task with one call slot sends whatever waits whenever the slot is free. A task with ``c``
+        > 1 slots splits the samples still to come (waiting or decoding) evenly over its free slots,
+        and keeps its last free slot for the samples that end last: sending each sample the moment
+        it ends would spend every slot on the first few (a tool that waits a second per call then
+        holds the rest for a second more)."""
         ep = self.ep
         busy: dict[str, int] = {}
         for task, _, _ in self.in_flight.values():
@@ -108,9 +110,11 @@ class EpisodeStream:
         for i in [*self.request_of.values(), *(i for i in self.ready if ep.wants_turn(i))]:
             decoding[ep.task_names[i]] = decoding.get(ep.task_names[i], 0) + 1
         for task, idx in self.to_grade.items():
-            free = self.concurrency.get(task, 1) - busy.get(task, 0)
-            left = decoding.get(task, 0)
-            if not idx or free <= 0 or (left and (free == 1 or len(idx) < -(-(len(idx) + left) // free))):
+            slots = self.concurrency.get(task, 1)
+            free, left = slots - busy.get(task, 0), decoding.get(task, 0)
+            if not idx or free <= 0:
+                continue
+            if slots > 1 and left and (free == 1 or len(idx) < -(-(len(idx) + left) // free)):
                 continue
             ref = self.envs[task].step.remote([ep.message_logs[i] for i in idx], [ep.env_infos[i] for i in idx])
             limit = self.limits.get(task, math.inf)

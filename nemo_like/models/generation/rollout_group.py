@@ -21,7 +21,7 @@ The transport is the seam between the two sides, one class each:
 * ``ObjectStoreTransport`` ("object_store", implemented): the policy's rank 0 ``ray.put``s each chunk
   as soon as it is gathered; every rollout worker fetches the same refs one chunk at a time. Works
   across processes and nodes, on CPUs and GPUs (tensors travel through host memory). The store holds
-  one copy of the weights while a refit is in flight and frees it when the refs are dropped.
+  one copy of the weights while a refit is in flight and frees it once every worker has loaded it.
 * ``CollectiveTransport`` ("collective", ``collective_refit.py``): a broadcast from the policy's rank 0
   over a process group of its own with the rollout workers: gloo on CPUs (tested), NCCL GPU to GPU
   (the same code with the other backend; not run here: no GPU was available). CUDA IPC handles, for
@@ -40,7 +40,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import ray
@@ -89,6 +89,7 @@ class PendingRefit:
 
     sent: dict[str, float]
     finish: Callable[[], dict[str, float]]
+    loading: list[ray.ObjectRef] = field(default_factory=list)  # the workers' loads, where they run apart
 
 
 class ObjectStoreTransport(WeightTransport):
@@ -105,18 +106,27 @@ class ObjectStoreTransport(WeightTransport):
         # The list goes as one argument: Ray resolves only top-level refs, so each worker gets the
         # refs themselves and fetches the chunks one by one.
         loading = workers.run_all_workers_single_data("update_weights", refs, version)
+        held = [refs]  # the last holder: once every worker has loaded, the chunks leave the object store
+        left = [len(loading)]
+
+        def loaded(_future) -> None:  # on Ray's callback thread
+            left[0] -= 1
+            if left[0] == 0:
+                held.clear()
+        for ref in loading:
+            ref.future().add_done_callback(loaded)
+        del refs
 
         def finish() -> dict[str, float]:
-            nonlocal refs
             try:
                 results = workers.get_all_worker_results(loading)
             finally:
-                refs = None  # the last holder: the chunks leave the object store
+                held.clear()
             if bad := [(i, r["bytes"]) for i, r in enumerate(results) if int(r["bytes"]) != total]:
                 raise RuntimeError(f"refit to version {version}: the policy exported {total} bytes but rollout "
                                    f"workers (rank, bytes loaded) {bad} loaded another amount")
             return sent | {"refit/load_seconds_max": max(r["seconds"] for r in results)}
-        return PendingRefit(sent, finish)
+        return PendingRefit(sent, finish, loading)
 
 
 class CollectiveSource(WeightSource, Protocol):
@@ -213,12 +223,14 @@ class RolloutGroup(GenerationInterface):
         self._on_gpu = bool(gpus)
         self._version = 0
         self._pad_id: int | None = None
-        self._pending_refit: Callable[[], dict[str, float]] | None = None  # update_weights_from(wait=False)
+        self._pending_refit: PendingRefit | None = None  # update_weights_from(wait=False)
+        self._last_load: dict[str, float] = {}  # metrics of the last load finish_refit checked
 
     @property
     def policy_version(self) -> int:
         """The version of the last refit (0: the weights of ``policy.model_name``): the weights every
-        call sent to the workers from now on sees."""
+        call sent to the workers from now on sees, unless a refit sent without waiting fails to load
+        (``finish_refit`` then raises; a worker it left half-loaded refuses to generate)."""
         return self._version
 
     # ---- generation ---------------------------------------------------------------------------
@@ -290,19 +302,26 @@ class RolloutGroup(GenerationInterface):
         previous = self.finish_refit()
         t0 = time.perf_counter()
         pending = self.transport.start(policy, self.workers, int(version), chunk_bytes)
-        self._version = int(version)
         if wait:
-            return {"timing/weight_sync": time.perf_counter() - t0, **pending.finish()}
-        self._pending_refit = pending.finish
-        # This refit's size now; the previous one's load time, checked just above.
+            metrics = pending.finish()
+            self._version = int(version)
+            return {"timing/weight_sync": time.perf_counter() - t0, **metrics}
+        self._version = int(version)
+        self._pending_refit = pending
+        # This refit's size now; the load time of the previous one (checked above, or by a check since).
+        previous = previous or self._last_load
+        self._last_load = {}
         load = {k: v for k, v in previous.items() if k == "refit/load_seconds_max"}
         return {"timing/weight_sync": time.perf_counter() - t0, **pending.sent, **load}
 
     def finish_refit(self) -> dict[str, float]:
         """Wait for a refit sent with ``wait=False`` to load (raising as a blocking one would);
         its ``refit/`` metrics, or {} if none is pending."""
-        finish, self._pending_refit = self._pending_refit, None
-        return finish() if finish is not None else {}
+        pending, self._pending_refit = self._pending_refit, None
+        if pending is None:
+            return {}
+        self._last_load = pending.finish()
+        return self._last_load
 
     def weights_checksums(self) -> list[str]:
         self.finish_refit()
@@ -312,13 +331,25 @@ class RolloutGroup(GenerationInterface):
         self.finish_refit()
         return self._all("policy_version")
 
-    def shutdown(self) -> None:
+    def shutdown(self, refit_timeout_s: float = 5.0) -> None:
+        """Stop the workers; a refit still loading is given ``refit_timeout_s`` to end (it waits
+        behind a worker's current call), then dropped with a warning."""
         try:
-            self.finish_refit()
+            pending, self._pending_refit = self._pending_refit, None
+            if pending is not None:
+                done, _ = ray.wait(pending.loading, num_returns=len(pending.loading), timeout=refit_timeout_s)
+                if len(done) < len(pending.loading):
+                    warnings.warn(f"{self.workers.name_prefix}: the last refit was still loading at shutdown",
+                                  stacklevel=2)
+                else:
+                    pending.finish()
         except Exception as e:  # noqa: BLE001 - the workers go anyway; say what their last load did
             warnings.warn(f"the last refit of {self.workers.name_prefix} failed: {e}", stacklevel=2)
-        self.workers.shutdown()
-        self.cluster.shutdown()
+        finally:
+            try:
+                self.workers.shutdown()
+            finally:
+                self.cluster.shutdown()
 
     # ---- helpers ------------------------------------------------------------------------------
     def _all(self, method: str, *args: Any) -> list[Any]:

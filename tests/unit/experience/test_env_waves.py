@@ -90,8 +90,12 @@ def test_a_slow_grader_works_while_the_other_tasks_generate(setup):
     assert not times.seconds  # the first call of each task and turn is not counted
     first = TimedHF(model, tok)
     out, m = run_multi_turn_rollout(first, _batch(tok, specs), tok, envs, env_times=times, **kw)
-    # Nothing was timed before: one generate call per turn, as without env_times; now it knows.
+    # Nothing was timed before: one generate call per turn, as without env_times; now it knows (the
+    # times come from a callback that may run just after the rollout has its answers).
     assert [c.size for c in first.calls] == [5, 4] and m["env_waves"] == 1.0
+    end = time.time() + 5.0
+    while len(times.seconds) < 4 and time.time() < end:
+        time.sleep(0.01)
     assert times.seconds[("slow", 0)] >= 0.8 and times.seconds[("a", 0)] < 0.4 and times.seconds[("b", 1)] < 0.4
     again = TimedHF(model, tok)
     t0 = time.time()

@@ -180,10 +180,10 @@ def test_sampled_episodes_record_their_version_and_logprobs(setup):
 
 
 def test_calls_carry_even_shares_and_keep_a_slot_for_the_last(setup):
-    """A grader with 4 call slots and 1 s per call; episodes end one at a time (one decoding row). Sending
-    each as it ends would take all 4 slots with the first 4 and hold the other 12 for a second more."""
+    """A grader with 4 call slots and 2 s per call; episodes end one at a time (one decoding row). Sending
+    each as it ends would take all 4 slots with the first 4 and hold the other 12 for 2 s more."""
     tok, model, _ = setup
-    env = ray.remote(TurnsEnv).options(max_concurrency=4).remote({"delay_s": 1.0})
+    env = ray.remote(TurnsEnv).options(max_concurrency=4).remote({"delay_s": 2.0})
     try:
         ray.get(env.__ray_ready__.remote())
         t0 = time.time()
@@ -193,6 +193,6 @@ def test_calls_carry_even_shares_and_keep_a_slot_for_the_last(setup):
         sizes = [n for *_, n in ray.get(env.calls.remote())]
         assert sizes == [4, 4, 4, 4] and m["stream/env_calls"] == 4
         assert out["total_reward"].tolist() == [1.0] * 16
-        assert wall < 1.0 + 1.5  # the calls overlap each other and the decoding: about one call's wait
+        assert wall < 2.0 + 1.8  # the calls overlap each other and the decoding: about one call's wait
     finally:
         ray.kill(env, no_restart=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -16,6 +18,7 @@ from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentR
 from nemo_like.experience.rollouts import run_multi_turn_rollout
 from nemo_like.models.generation.collective_refit import bucket_plan
 from nemo_like.models.generation.rollout_group import CollectiveTransport, RolloutGroup, per_worker_concurrency
+from nemo_like.models.generation.rollout_worker import RolloutWorker
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.lm_policy import Policy
 
@@ -296,6 +299,30 @@ def test_refit_without_waiting_lands_between_calls(policy, rollout, model_dir, t
         rollout.finish_refit()
     rollout.update_weights_from(policy, version=25)  # a whole refit repairs it
     assert rollout.weights_checksums() == [policy.weights_checksum()] and rollout.worker_versions() == [25]
+
+
+class _StuckWorker(RolloutWorker):
+    """A rollout worker whose generate call takes a minute (a fault: a refit queues behind it)."""
+
+    def generate(self, data, greedy=False):
+        time.sleep(60)
+        return super().generate(data, greedy)
+
+
+def test_shutdown_does_not_wait_for_a_refit_stuck_behind_a_call(policy, model_dir, tok):
+    g = RolloutGroup(_cfg(model_dir), _gen(1), seed=0, worker_cls=_StuckWorker, name_prefix="refit-stuck")
+    stuck = False
+    try:
+        g.generate_async(_batch(tok, PROMPTS[:1]), greedy=True)  # never waited for
+        g.update_weights_from(policy, version=1, wait=False)  # returns: the load waits behind the call
+        t0 = time.monotonic()
+        with pytest.warns(UserWarning, match="the last refit was still loading at shutdown"):
+            g.shutdown(refit_timeout_s=0.5)
+        stuck = True
+        assert time.monotonic() - t0 < 30
+    finally:
+        if not stuck:
+            g.shutdown(refit_timeout_s=0.0)
 
 
 def test_lora_refit_sends_merged_weights(policy, cluster, rollout, model_dir, tok, tmp_path):
