@@ -294,7 +294,8 @@ class RolloutGroup(GenerationInterface):
 
         ``wait=False`` (the object store transport; others always wait) returns once the weights
         are exported: every call to the workers sent after this one sees them, and a worker busy
-        with a rollout loads them when that call ends, while the policy trains on. It returns this
+        with a rollout loads them when that call ends, while the policy trains on (the worker class
+        must run its calls one at a time, in the order sent, as a default Ray actor does). It returns this
         refit's ``refit/bytes`` and ``refit/chunks`` and the previous one's ``refit/load_seconds_max``;
         the load is checked (and its metrics returned) by ``finish_refit``, which the next refit and
         the checks below call first."""
