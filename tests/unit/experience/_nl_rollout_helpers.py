@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import ray
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
+from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 
 class CountdownEnv(EnvironmentInterface):
@@ -55,3 +59,17 @@ def _batch(tok, specs):
         tasks.append(task)
     return BatchedDataDict(message_log=logs, extra_env_info=infos, task_name=tasks,
                            loss_multiplier=torch.ones(len(logs)))
+
+
+@contextlib.contextmanager
+def rollout_setup(envs: dict):
+    """``(envs, tokenizer, model)``: the environment actors given and a seeded 1-layer tiny model; the
+    actors are killed on exit."""
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
+    try:
+        yield envs, tok, model
+    finally:
+        for actor in envs.values():
+            ray.kill(actor, no_restart=True)

@@ -8,11 +8,10 @@ import time
 import pytest
 import ray
 import torch
-from _nl_rollout_helpers import CountdownEnv, LocalHF, _batch
+from _nl_rollout_helpers import CountdownEnv, LocalHF, _batch, rollout_setup
 
 from nemo_like.experience.env_waves import EnvTimes
 from nemo_like.experience.rollouts import run_multi_turn_rollout
-from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 
 def test_waves_put_slow_tasks_first_slowest_first_and_never_split_a_task():
@@ -72,12 +71,8 @@ def setup(ray_session):
     envs = {"a": ray.remote(CountdownEnv).remote({"name": "A"}), "b": ray.remote(CountdownEnv).remote({"name": "B"}),
             "slow": ray.remote(SlowEnv).remote({"name": "S", "delay_s": 0.8})}
     ray.get([e.__ray_ready__.remote() for e in envs.values()])
-    tok = build_char_tokenizer()
-    torch.manual_seed(0)
-    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
-    yield envs, tok, model
-    for actor in envs.values():
-        ray.kill(actor, no_restart=True)
+    with rollout_setup(envs) as s:
+        yield s
 
 
 def test_a_slow_grader_works_while_the_other_tasks_generate(setup):

@@ -9,14 +9,14 @@ import random
 import pytest
 import ray
 import torch
-from _nl_rollout_helpers import CountdownEnv, LocalHF, _batch
+from _nl_rollout_helpers import CountdownEnv, LocalHF, _batch, rollout_setup
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
-from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
+from nemo_like.models.tiny import build_char_tokenizer
 
 
 class BrokenEnv(EnvironmentInterface):
@@ -31,12 +31,8 @@ def setup_env(ray_session):
         "b": ray.remote(CountdownEnv).remote({"name": "B"}),
         "broken": ray.remote(BrokenEnv).remote(),
     }
-    tok = build_char_tokenizer()
-    torch.manual_seed(0)
-    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256)
-    yield envs, tok, model
-    for actor in envs.values():
-        ray.kill(actor, no_restart=True)
+    with rollout_setup(envs) as s:
+        yield s
 
 
 def test_turns_masks_rewards_and_routing(setup_env):
