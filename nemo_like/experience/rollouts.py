@@ -56,15 +56,16 @@ def calculate_rewards(message_logs: list[list[dict]], task_names: list[str], env
     ``env/<task>/step_timeouts``. A timed-out actor is restarted, so a hung grader costs one call,
     not the run.
     """
-    return send_rewards(message_logs, task_names, env_infos, envs, step_timeouts).collect()
+    return PendingRewards(message_logs, task_names, env_infos, envs, step_timeouts).collect()
 
 
 class PendingRewards:
-    """``calculate_rewards``'s calls, sent; ``collect()`` waits for them and returns its outputs."""
+    """``calculate_rewards``'s calls, sent at construction without waiting (``env_times``: time each,
+    as after ``turn``); ``collect()`` waits for them and returns ``calculate_rewards``'s outputs."""
 
     def __init__(self, message_logs: list[list[dict]], task_names: list[str], env_infos: list[dict],
-                 envs: dict[str, Any], step_timeouts: dict[str, float] | None, env_times: EnvTimes | None,
-                 turn: int = 0):
+                 envs: dict[str, Any], step_timeouts: dict[str, float] | None = None,
+                 env_times: EnvTimes | None = None, turn: int = 0):
         self.n, self.envs, self.step_timeouts = len(message_logs), envs, step_timeouts
         self.by_task: dict[str, list[int]] = {}
         for i, t in enumerate(task_names):
@@ -104,13 +105,6 @@ class PendingRewards:
                 returns[i], errors[i] = rets[j], err
                 rewards[i] = math.nan if rets[j] is None else float(rets[j].rewards[0])
         return rewards, returns, metrics, errors
-
-
-def send_rewards(message_logs: list[list[dict]], task_names: list[str], env_infos: list[dict],
-                 envs: dict[str, Any], step_timeouts: dict[str, float] | None = None,
-                 env_times: EnvTimes | None = None, turn: int = 0) -> PendingRewards:
-    """Send ``calculate_rewards``'s calls without waiting (``env_times``: time each, as after ``turn``)."""
-    return PendingRewards(message_logs, task_names, env_infos, envs, step_timeouts, env_times, turn)
 
 
 def split_return(task: str, ret: EnvironmentReturn, n: int
@@ -347,8 +341,8 @@ def run_multi_turn_rollout(policy: GenerationInterface, batch: BatchedDataDict, 
                             hit_limit=bool(gen["truncated"][j]),
                             version=int(gen["policy_version"][j]) if "policy_version" in gen else None)
             # Sent at once: these samples' environments work while the next wave generates.
-            sent.append((ids, send_rewards([ep.message_logs[i] for i in ids], [ep.task_names[i] for i in ids],
-                                           [ep.env_infos[i] for i in ids], envs, step_timeouts, env_times, turns)))
+            sent.append((ids, PendingRewards([ep.message_logs[i] for i in ids], [ep.task_names[i] for i in ids],
+                                             [ep.env_infos[i] for i in ids], envs, step_timeouts, env_times, turns)))
         turns, waves_sent = turns + 1, waves_sent + len(waves)
         going_on = set()
         for ids, pending in sent:

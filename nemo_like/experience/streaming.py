@@ -12,8 +12,8 @@ the next free rows.
 Environment calls are batched per task: at most ``step_concurrency[task]`` calls (the environment's
 ``max_concurrent_steps``; 1 by default) are in flight at once. With one, whatever waits goes when it
 is free; with more, each call carries an even share of the samples still to come, and the last free
-one carries whatever ends last (see ``_dispatch``). The
-per-call time limit, the restart of a hung actor and the unscorable-sample rules are those of ``calculate_rewards``.
+one carries whatever ends last (see ``_dispatch``). The per-call time limit, the restart of a hung
+actor and the unscorable-sample rules are those of ``calculate_rewards``.
 
 This runs in the process that holds the model (a training worker with one rank, or a rollout
 worker) and calls the environment actors from there.
@@ -102,6 +102,8 @@ class EpisodeStream:
         and keeps its last free slot for the samples that end last: sending each sample the moment
         it ends would spend every slot on the first few (a tool that waits a second per call then
         holds the rest for a second more)."""
+        if not any(self.to_grade.values()):  # called every decode step: nothing to send, nothing to count
+            return
         ep = self.ep
         busy: dict[str, int] = {}
         for task, _, _ in self.in_flight.values():

@@ -295,12 +295,15 @@ class RolloutGroup(GenerationInterface):
         ``wait=False`` (the object store transport; others always wait) returns once the weights
         are exported: every call to the workers sent after this one sees them, and a worker busy
         with a rollout loads them when that call ends, while the policy trains on (the worker class
-        must run its calls one at a time, in the order sent, as a default Ray actor does). It returns this
-        refit's ``refit/bytes`` and ``refit/chunks`` and the previous one's ``refit/load_seconds_max``;
-        the load is checked (and its metrics returned) by ``finish_refit``, which the next refit and
-        the checks below call first."""
+        must run its calls one at a time, in the order sent, as a default Ray actor does). It returns
+        this refit's ``refit/bytes`` and ``refit/chunks`` and the previous one's
+        ``refit/load_seconds_max``; the load is checked (and its metrics returned) by ``finish_refit``,
+        which the next refit and the checks below call first."""
         chunk_bytes = max(1, int(self.cfg.generation.refit_chunk_mb * _MIB))
-        previous = self.finish_refit()
+        self.finish_refit()
+        # The load time of the previous refit (checked just now, or by a check since), reported once.
+        load = {k: v for k, v in self._last_load.items() if k == "refit/load_seconds_max"}
+        self._last_load = {}
         t0 = time.perf_counter()
         pending = self.transport.start(policy, self.workers, int(version), chunk_bytes)
         if wait:
@@ -309,10 +312,6 @@ class RolloutGroup(GenerationInterface):
             return {"timing/weight_sync": time.perf_counter() - t0, **metrics}
         self._version = int(version)
         self._pending_refit = pending
-        # This refit's size now; the load time of the previous one (checked above, or by a check since).
-        previous = previous or self._last_load
-        self._last_load = {}
-        load = {k: v for k, v in previous.items() if k == "refit/load_seconds_max"}
         return {"timing/weight_sync": time.perf_counter() - t0, **pending.sent, **load}
 
     def finish_refit(self) -> dict[str, float]:
