@@ -418,10 +418,12 @@ def test_actor_restarts_after_kill(ray_cluster, math_actor) -> None:
     assert graders, "expected a live grader process"
 
     ray.kill(math_actor, no_restart=False)
+    # ray.kill only asks the GCS; a call sent at once can still reach the old process (a CI run
+    # saw exactly that). Wait for the process to be gone so the call below needs the restart.
+    assert wait_for(lambda: pid_gone(pid_before)), "the killed actor process is still running"
     ret = ray.get(math_actor.step.remote([log("\\boxed{1/2}"), log("nope")], [gt("0.5"), gt("0.5")]), timeout=120)
     check_batch_result(ret, [1.0, 0.0], failures=0)
     assert _actor_pid(ray, math_actor) != pid_before
-    assert wait_for(lambda: pid_gone(pid_before)), "the killed actor process is still running"
     # Grader processes die with their actor instead of lingering.
     assert wait_for(lambda: all(pid_gone(p) for p in graders)), f"graders {graders} outlived their actor"
 

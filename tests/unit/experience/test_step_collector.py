@@ -3,6 +3,7 @@ an episode, and a collector killed mid-episode is restarted with the weights and
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -23,6 +24,15 @@ def _collector(factory=CountdownEnv, **env_kwargs) -> TrajectoryCollector:
     c = TrajectoryCollector(factory, env_kwargs, None, POLICY.model_dump(), seed=0)
     c.set_weights(build_network(c.spec(), POLICY, seed=1).state_dict(), version=3)
     return c
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc ("Z" a zombie), or "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line.split()[1] for line in f if line.startswith("State:")), "")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def _jobs(seeds, count=4, sample_seed=0):
@@ -133,7 +143,12 @@ def test_a_collector_that_died_between_updates_gets_the_next_weights(ray_session
     try:
         net = build_network(group.spec, POLICY, seed=2)
         group.push_weights(net.state_dict(), version=1)
+        pid = ray.get(group.actors[0].__ray_call__.remote(lambda self: os.getpid()), timeout=120)
         ray.kill(group.actors[0], no_restart=False)  # idle, between two updates
+        # ray.kill is asynchronous: wait for the process to go, or the push below could still reach it.
+        deadline = time.monotonic() + 60
+        while _state(pid) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
         group.push_weights(net.state_dict(), version=2)
         assert group.restarts == 1
         trajs = group.collect(_jobs([5, 6], count=2))
