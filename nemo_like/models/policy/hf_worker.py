@@ -32,13 +32,11 @@ from nemo_like.models.policy.lora import (
     trainable_parameters,
 )
 from nemo_like.models.policy.packing import (
-    PackedBatch,
-    build_packed,
+    MicroBatch,
+    attention_cost_ratio,
     check_packing_supported,
-    group_rows,
     packed_token_logprobs,
-    plan_rows,
-    shared_prefix_lengths,
+    plan_microbatches,
 )
 from nemo_like.models.policy.refit_source import RefitSourceMixin
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
@@ -62,38 +60,6 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def _attention_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     ar = torch.arange(input_ids.shape[1], device=input_ids.device)
     return (ar[None, :] < lengths[:, None].to(input_ids.device)).long()
-
-
-class _MicroBatch:
-    """Samples ``idx`` of a batch as one forward pass: right-padded (``packed`` None) or packed rows."""
-
-    def __init__(self, idx: list[int], data: BatchedDataDict, packed: PackedBatch | None):
-        self.idx, self.data, self.packed = idx, data, packed
-        lengths = data["input_lengths"]
-        self.tokens_real = packed.tokens_real if packed else int(lengths.sum())
-        self.tokens_computed = packed.tokens_computed if packed else int(lengths.numel() * data["input_ids"].shape[1])
-        self.sample_tokens = int(lengths.sum())
-
-
-def plan_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int) -> list[_MicroBatch]:
-    """How a batch is cut into forward passes: packed rows under a token budget, right-padded
-    micro-batches under a token budget (dynamic batching), or ``mb_size`` samples sorted by length."""
-    sp, db = cfg.sequence_packing, cfg.dynamic_batching
-    if sp.enabled:
-        ids, lengths = data["input_ids"], data["input_lengths"]
-        prefix = (shared_prefix_lengths(ids, data["token_mask"], lengths)
-                  if sp.share_prompt_prefix and "token_mask" in data else None)
-        rows = plan_rows(ids, lengths, cfg.packing_row_length, prefix)
-        out = []
-        for group in group_rows(rows, sp.max_tokens_per_microbatch):
-            packed = build_packed(ids, lengths, group)
-            mb = data.select_indices(packed.sample_idx).cut_width(packed.width)
-            out.append(_MicroBatch(packed.sample_idx, mb, packed))
-        return out
-    if db.enabled:
-        return [_MicroBatch(idx, mb, None) for idx, mb in data.make_token_budget_microbatch_iterator(
-            db.max_tokens_per_microbatch)]
-    return [_MicroBatch(idx, mb, None) for idx, mb in data.make_length_sorted_microbatch_iterator(mb_size)]
 
 
 def pick_device(use_cuda: bool) -> torch.device:
@@ -141,6 +107,7 @@ class HFPolicyWorker(RefitSourceMixin):
         model.to(self.device)
         if config.sequence_packing.enabled:
             check_packing_supported(model)
+        self._attention_ratio = attention_cost_ratio(model.config)  # for packing's row length
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
         if config.lora.enabled:  # adapters go in before sharding: FSDP2 shards them with their layer
@@ -232,7 +199,7 @@ class HFPolicyWorker(RefitSourceMixin):
             self._reshard()
 
     # ---- log-probs ----------------------------------------------------------------------------
-    def _mb_logprobs(self, mb: _MicroBatch) -> torch.Tensor:
+    def _mb_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """[b, w] log-probs of the micro-batch's samples, in ``mb.idx`` order."""
         temp = self.cfg.generation.temperature
         if mb.packed is not None:
@@ -260,7 +227,7 @@ class HFPolicyWorker(RefitSourceMixin):
 
     def _logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         lp = torch.zeros_like(data["input_ids"], dtype=torch.float32)
-        mbs = plan_microbatches(data, self.cfg, self.cfg.logprob_batch_size)
+        mbs = plan_microbatches(data, self.cfg, self.cfg.logprob_batch_size, self._attention_ratio)
         real = computed = 0
         for n_pass in range(self._synced_count(len(mbs))):
             mb = mbs[min(n_pass, len(mbs) - 1)]
@@ -332,7 +299,7 @@ class HFPolicyWorker(RefitSourceMixin):
             # Micro-batches grouped by length (or packed rows), each as wide as its own longest
             # sample. The loss is a share of global counts, so the gradient does not depend on the
             # grouping.
-            plan = plan_microbatches(gb, self.cfg, mbs)
+            plan = plan_microbatches(gb, self.cfg, mbs, self._attention_ratio)
             for n_pass in range(self._synced_count(len(plan))):
                 item = plan[min(n_pass, len(plan) - 1)]
                 lp = self._mb_logprobs(item)

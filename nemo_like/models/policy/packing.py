@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.policy.interfaces import PolicyConfig
+
 # Attention implementations that honour a custom 4-D mask (HF passes a 4-D mask through untouched).
 MASK_ATTENTION = ("sdpa", "eager")
 
@@ -155,6 +158,59 @@ def group_rows(rows: list[list[_Unit]], max_tokens: int) -> list[list[list[_Unit
     return out
 
 
+# What a masked attention position costs against a projection multiply-add, per token and key.
+# Fitted on the multi-env default's training batches (tiny model, CPU, SDPA with a bool mask): rows
+# of 160 / 320 / 640 tokens took about 1.49 / 1.38 / 1.72 s per step on one thread; this weight
+# ranks them so. (Past a few hundred keys the score matrices leave the cache and the cost grows
+# faster than the linear model says: a smaller weight would pick rows that are too long.)
+ATTENTION_MAC_WEIGHT = 0.5
+
+
+def attention_cost_ratio(model_config) -> float:
+    """Cost of one attended key position per token, as a fraction of a token's projections (per
+    layer): ``ATTENTION_MAC_WEIGHT * 2 * heads * head_dim / (q,k,v,o + MLP multiply-adds)``. 0.0 when the config
+    does not say (the row length is then the longest allowed, as before)."""
+    try:
+        d = int(model_config.hidden_size)
+        heads = int(model_config.num_attention_heads)
+        kv = int(getattr(model_config, "num_key_value_heads", None) or heads)
+        hd = int(getattr(model_config, "head_dim", None) or d // heads)
+        ffn = int(model_config.intermediate_size)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    linear = d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * ffn  # q, o; k, v; gated MLP
+    return ATTENTION_MAC_WEIGHT * 2 * heads * hd / max(linear, 1)
+
+
+def packing_cost(groups: list[list[list[_Unit]]], ratio: float) -> float:
+    """Estimated compute of micro-batches of rows: each row is as wide as its micro-batch's widest,
+    and every position pays its projections plus attention over the whole row (``ratio`` per key)."""
+    cost = 0.0
+    for rows in groups:
+        w = max(sum(u.size for u in r) for r in rows)
+        cost += len(rows) * w * (1.0 + ratio * w)
+    return cost
+
+
+def plan_rows_auto(input_ids: torch.Tensor, lengths: torch.Tensor, max_row_length: int, max_tokens: int,
+                   ratio: float, prefix_lens: torch.Tensor | None = None) -> list[list[_Unit]]:
+    """The rows of the row length (from the longest sample up to ``max_row_length``) whose micro-
+    batches cost least by ``packing_cost``. Long rows waste little padding but pay attention over
+    the whole row (no varlen kernel on CPU); with ``ratio`` 0 this is the longest row."""
+    longest = max(int(n) for n in lengths)
+    if ratio <= 0 or longest >= max_row_length:
+        return plan_rows(input_ids, lengths, max_row_length, prefix_lens)
+    step = max(16, (max_row_length - longest) // 12)
+    candidates = sorted({*range(longest, max_row_length, step), max_row_length})
+    best, best_cost = None, float("inf")
+    for n in candidates:
+        rows = plan_rows(input_ids, lengths, n, prefix_lens)
+        cost = packing_cost(group_rows(rows, max_tokens), ratio)
+        if cost < best_cost:
+            best, best_cost = rows, cost
+    return best
+
+
 def build_packed(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[list[_Unit]]) -> PackedBatch:
     """Lay ``rows`` out as tensors; ``input_ids`` is the caller's right-padded [B, T] batch."""
     width_rows = max(sum(u.size for u in r) for r in rows)
@@ -250,3 +306,41 @@ def check_packing_supported(model) -> None:
     if not err < 1e-4:  # float32 (the probe runs on the fp32 master weights, before sharding)
         raise ValueError(f"policy.sequence_packing.enabled: this model's attention does not confine packed "
                          f"sequences (packed log-probs differ from unpacked by {err:.3g}); turn packing off")
+
+
+class MicroBatch:
+    """Samples ``idx`` of a batch as one forward pass: right-padded (``packed`` None) or packed rows."""
+
+    def __init__(self, idx: list[int], data: BatchedDataDict, packed: PackedBatch | None):
+        self.idx, self.data, self.packed = idx, data, packed
+        lengths = data["input_lengths"]
+        self.tokens_real = packed.tokens_real if packed else int(lengths.sum())
+        self.tokens_computed = packed.tokens_computed if packed else int(lengths.numel() * data["input_ids"].shape[1])
+        self.sample_tokens = int(lengths.sum())
+
+
+def plan_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int,
+                      attention_ratio: float = 0.0) -> list[MicroBatch]:
+    """How a batch is cut into forward passes: packed rows under a token budget, right-padded
+    micro-batches under a token budget (dynamic batching), or ``mb_size`` samples sorted by length.
+    ``attention_ratio`` (``attention_cost_ratio`` of the model) lets packing choose its row length."""
+    sp, db = cfg.sequence_packing, cfg.dynamic_batching
+    if sp.enabled:
+        ids, lengths = data["input_ids"], data["input_lengths"]
+        prefix = (shared_prefix_lengths(ids, data["token_mask"], lengths)
+                  if sp.share_prompt_prefix and "token_mask" in data else None)
+        if sp.row_length is None:
+            rows = plan_rows_auto(ids, lengths, cfg.packing_row_length, sp.max_tokens_per_microbatch,
+                                  attention_ratio, prefix)
+        else:
+            rows = plan_rows(ids, lengths, sp.row_length, prefix)
+        out = []
+        for group in group_rows(rows, sp.max_tokens_per_microbatch):
+            packed = build_packed(ids, lengths, group)
+            mb = data.select_indices(packed.sample_idx).cut_width(packed.width)
+            out.append(MicroBatch(packed.sample_idx, mb, packed))
+        return out
+    if db.enabled:
+        return [MicroBatch(idx, mb, None) for idx, mb in data.make_token_budget_microbatch_iterator(
+            db.max_tokens_per_microbatch)]
+    return [MicroBatch(idx, mb, None) for idx, mb in data.make_length_sorted_microbatch_iterator(mb_size)]

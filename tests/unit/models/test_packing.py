@@ -10,13 +10,18 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.policy import PolicyConfig
-from nemo_like.models.policy.hf_worker import _attention_mask, plan_microbatches, token_logprobs
+from nemo_like.models.policy.hf_worker import _attention_mask, token_logprobs
 from nemo_like.models.policy.packing import (
+    ATTENTION_MAC_WEIGHT,
+    attention_cost_ratio,
     build_packed,
     check_packing_supported,
     group_rows,
     packed_token_logprobs,
+    packing_cost,
+    plan_microbatches,
     plan_rows,
+    plan_rows_auto,
     shared_prefix_lengths,
 )
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
@@ -154,6 +159,62 @@ def test_padding_efficiency_rises_with_packing():
     # One micro-batch comes back as given: as wide as the batch.
     assert padded == pytest.approx(float(lengths.sum()) / ids.numel())
     assert packed > 0.9 > padded
+
+
+def test_chosen_row_length_pays_less_attention_than_the_longest_rows():
+    # Eight 100-token samples: one 800-token row wastes nothing on padding but attends over 800
+    # keys; rows of one sample each attend over 100. With attention priced, the short rows win.
+    ids = torch.randint(0, 50, (8, 100), generator=torch.Generator().manual_seed(0))
+    lengths = torch.full((8,), 100)
+    long_rows = plan_rows(ids, lengths, 800)
+    assert [len(r) for r in long_rows] == [8]
+    short = plan_rows_auto(ids, lengths, 800, 800, ratio=0.01)
+    assert [sum(u.size for u in r) for r in short] == [100] * 8
+    assert packing_cost(group_rows(short, 800), 0.01) == pytest.approx(8 * 100 * (1 + 0.01 * 100))
+    # Attention free (ratio 0, or a config that does not say): the longest rows, as before.
+    assert [len(r) for r in plan_rows_auto(ids, lengths, 800, 800, ratio=0.0)] == [8]
+
+
+def test_chosen_row_length_weighs_padding_against_attention():
+    # Samples of 100 and 60 tokens in one 800-token pass: rows of 100 put each 60-token sample
+    # beside 40 padding positions (800 computed), rows of 200 or more attend over twice as many
+    # keys; rows of 160-199 hold a 100 and a 60 with no padding (640 computed). Every other
+    # candidate costs at least as much.
+    ids = torch.randint(0, 50, (8, 100), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([100, 60] * 4)
+    rows = plan_rows_auto(ids, lengths, 400, 800, ratio=0.002)
+    assert sorted(sum(u.size for u in r) for r in rows) == [160] * 4
+    best = packing_cost(group_rows(rows, 800), 0.002)
+    assert best == pytest.approx(640 * (1 + 0.002 * 160))
+    for n in (100, 200, 320, 400):
+        assert packing_cost(group_rows(plan_rows(ids, lengths, n), 800), 0.002) > best
+
+
+def test_attention_cost_ratio_reads_the_model_shape(tiny):
+    # tiny: 4 heads covering the hidden size: w * 2 * hidden / (4 * hidden^2 + 3 * hidden * mlp).
+    w, c = ATTENTION_MAC_WEIGHT, tiny.config
+    linear = 4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.intermediate_size
+    assert attention_cost_ratio(c) == pytest.approx(w * 2 * c.hidden_size / linear)
+    gqa = _random_lm("smollm2").config  # 9 query heads of 8, 3 kv heads: k and v are a third of q
+    assert attention_cost_ratio(gqa) == pytest.approx(w * 2 * 72 / (2 * 72 * 72 + 2 * 72 * 24 + 3 * 72 * 192))
+    assert attention_cost_ratio(object()) == 0.0  # not a transformer config: the longest rows
+
+
+def test_chosen_rows_give_the_unpadded_logprobs(tiny):
+    ids, lengths, tm = _grpo_batch(tiny.config.vocab_size, groups=4, G=4, T=30)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
+    cfg = PolicyConfig(model_name="x", max_total_sequence_length=30, train_global_batch_size=16,
+                       train_micro_batch_size=16, sequence_packing={"enabled": True, "max_tokens_per_microbatch": 240})
+    with torch.no_grad():
+        ref = token_logprobs(tiny, ids, _attention_mask(ids, lengths), 1.0)
+        widths, seen = set(), []
+        for mb in plan_microbatches(data, cfg, 16, attention_cost_ratio(tiny.config)):
+            lp = packed_token_logprobs(tiny, mb.packed, 1.0)
+            assert (lp - ref[mb.packed.sample_idx, : mb.packed.width] * mb.packed.valid).abs().max() < 1e-5
+            widths.add(mb.packed.input_ids.shape[1])
+            seen += mb.idx
+    assert sorted(seen) == list(range(16))
+    assert max(widths) < cfg.packing_row_length  # shorter rows than the 120-token cap were chosen
 
 
 def test_budget_smaller_than_longest_sample_is_a_config_error():
