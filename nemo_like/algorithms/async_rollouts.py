@@ -68,8 +68,12 @@ class AsyncRolloutRunner:
 
     def __init__(self, *, draw: Callable[[], tuple[BatchedDataDict, dict]],
                  rollout: Callable[[BatchedDataDict], tuple[BatchedDataDict, dict[str, float]]],
-                 max_staleness: int, on_stale: str, buffer_size: int, start_index: int, weights_version: int):
+                 max_staleness: int, on_stale: str, buffer_size: int, start_index: int, weights_version: int,
+                 end_index: int | None = None):
         self._draw, self._rollout = draw, rollout
+        # No batch at or past end_index is started (the run's last step): it would only compete with
+        # the final validation. A step asked for past it (the notebook API) lifts the limit.
+        self._end = end_index
         self.max_staleness, self.on_stale, self.buffer_size = max_staleness, on_stale, buffer_size
         self._cond = threading.Condition()
         self._next_draw = start_index  # index of the next batch to start
@@ -106,6 +110,9 @@ class AsyncRolloutRunner:
         with self._cond:
             if step != self._next_take:
                 raise RuntimeError(f"async rollouts: step {step} asked for a batch, but batch {self._next_take} is next")
+            if self._end is not None and step >= self._end:
+                self._end = None
+                self._cond.notify_all()
             while step not in self._ready and self._error is None:
                 self._cond.wait(timeout=1.0)
             if self._error is not None:
@@ -157,6 +164,8 @@ class AsyncRolloutRunner:
     # ---- the producer threads -----------------------------------------------------------------------
     def _may_start(self) -> bool:
         if self._in_flight + len(self._ready) >= self.buffer_size:
+            return False
+        if self._end is not None and self._next_draw >= self._end:
             return False
         # Under "wait", batch k starts only with weights of version >= k - max_staleness.
         return self.on_stale == "drop" or self._next_draw - self._version <= self.max_staleness

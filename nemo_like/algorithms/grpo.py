@@ -278,7 +278,7 @@ class GRPOTrainer:
         self.async_rollouts = AsyncRolloutRunner(
             draw=draw, rollout=lambda b: self._rollout(b, greedy=False), max_staleness=a.max_staleness,
             on_stale=a.on_stale, buffer_size=a.buffer_size, start_index=self.step_count,
-            weights_version=self.step_count)
+            weights_version=self.step_count, end_index=self.config.grpo.max_num_steps)
         self._resources.append(self.async_rollouts.close)
         return self.async_rollouts
 

@@ -134,3 +134,19 @@ def test_resumed_runner_starts_at_the_resumed_step_and_asks_in_order() -> None:
             runner.next_batch(7)
     finally:
         runner.close()
+
+
+def test_no_batch_is_started_past_the_last_step_until_one_is_asked_for() -> None:
+    # The run ends at step 3: batches 3 and 4 would only compete with the final validation.
+    world = _World(rollout_s=0.01)
+    runner = AsyncRolloutRunner(draw=world.draw, rollout=world.rollout, max_staleness=2, on_stale="wait",
+                                buffer_size=3, start_index=0, weights_version=0, end_index=3)
+    try:
+        _train(runner, world, steps=3, train_s=0.01)
+        time.sleep(0.3)  # time enough to start (and finish) more batches, were any allowed
+        assert world.next_prompt == 3 * 4
+        # One more step (the notebook API's step() past max_num_steps) lifts the limit.
+        rb, _ = runner.next_batch(3)
+        assert rb.batch["prompt"].tolist() == [12, 13, 14, 15]
+    finally:
+        runner.close()
