@@ -88,6 +88,11 @@ class GRPOConfig(_Strict):
     reuse_generation_logprobs: bool | Literal["auto"] = "auto"
     # While reusing, recompute every this many steps (0: never) so the mismatch stays measured.
     logprob_check_period: int = Field(10, ge=0)
+    # Leave out of the training pass the samples that cannot move the weights: those with no loss
+    # (sample mask 0) and, when the loss gives a zero advantage no gradient (no KL penalty), those
+    # whose advantage is 0 (every group whose rewards are all equal). The update is the same (the
+    # loss's normalisers still count them); the loss's train/ metrics are then over the samples trained.
+    skip_inert_samples: bool = True
     # A task whose every sample could not be graded (the environment raised, timed out or died) this
     # many steps in a row stops the run: it would train on nothing. 0: never stop.
     max_consecutive_env_failures: int = Field(3, ge=0)

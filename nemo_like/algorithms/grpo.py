@@ -30,7 +30,7 @@ from nemo_like.algorithms.grpo_setup import (
     env_config,
     make_train_sampler,
 )
-from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, merge_rounds
+from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
 from nemo_like.algorithms.loss_functions import LossFunction, get_loss_fn
 from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
@@ -179,7 +179,9 @@ class GRPOTrainer:
                 elif not proximal_in_train:  # KL term is off: skip a forward pass (the loss takes curr's)
                     train_data["reference_policy_logprobs"] = train_data["prev_logprobs"]
 
-            # 5. Policy update.
+            # 5. Policy update. Samples that cannot move the weights skip the pass (same update).
+            if cfg.grpo.skip_inert_samples:
+                train_data["skip_pass"] = inert_samples(train_data, self.loss_fn)
             with timer.time("train"):
                 self.policy.prepare_for_training()
                 train_metrics = self.policy.train(train_data, self.loss_fn)
@@ -222,6 +224,8 @@ class GRPOTrainer:
         metrics |= {f"timing/{k}": v for k, v in timings.items()}
         metrics |= throughput_metrics(timings, train_data, batch, train_metrics)
         metrics["train/prev_logprobs_reused"] = float(reused)
+        if "skip_pass" in train_data:
+            metrics["train/skipped_inert_frac"] = float(train_data["skip_pass"].float().mean())
         if lag is not None:
             metrics["train/policy_version_lag"] = float(lag.float().mean())
         metrics |= {k: v for k, v in refit_metrics.items() if not k.startswith("timing/")} | async_metrics

@@ -27,7 +27,7 @@ def dump_config(config: MasterConfig) -> dict:
 _RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
                       "policy.scheduler.total_steps", "policy.sequence_packing.", "policy.dynamic_batching.",
                       "policy.logprob_batch_size", "policy.generation_batch_size",
-                      "grpo.reuse_generation_logprobs", "grpo.logprob_check_period",
+                      "grpo.reuse_generation_logprobs", "grpo.logprob_check_period", "grpo.skip_inert_samples",
                       "grpo.max_consecutive_env_failures", "grpo.env_step_timeout_s", "grpo.stop_on_collapse.",
                       "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
                       "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")

@@ -15,7 +15,21 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 
-__all__ = ["groups_with_spread", "merge_rounds", "CollapseWatch"]
+__all__ = ["groups_with_spread", "merge_rounds", "CollapseWatch", "inert_samples"]
+
+
+def inert_samples(train_data: BatchedDataDict, loss_fn: Any) -> torch.Tensor:
+    """[B] bool: samples that cannot move the weights this step, so the training pass may leave them
+    out: no loss at all (``sample_mask`` 0, or no loss token), or, with a loss that says a zero
+    advantage is inert (``zero_advantage_is_inert``; no KL penalty), advantage 0 on every loss
+    token (a group whose rewards were all equal)."""
+    mask = train_data["token_mask"].bool() & (train_data["sample_mask"][:, None] > 0)
+    out = ~mask.any(dim=1)
+    if getattr(loss_fn, "zero_advantage_is_inert", False):
+        adv = train_data["advantages"]
+        adv = adv[:, None].expand_as(mask) if adv.dim() == 1 else adv
+        out |= ~((adv != 0) & mask).any(dim=1)
+    return out
 
 
 def groups_with_spread(rewards: torch.Tensor, G: int) -> torch.Tensor:

@@ -116,6 +116,10 @@ class LossFunction(Protocol):
     @property
     def loss_type(self) -> str: ...  # "token" or "sequence"
 
+    # Optional: True when a sample whose advantages are all 0 adds nothing to the loss nor to its
+    # gradient, so the trainer may leave it out of the pass (grpo.skip_inert_samples). Absent: False.
+    # zero_advantage_is_inert: bool
+
     def __call__(
         self,
         curr_logprobs: torch.Tensor,
@@ -179,6 +183,12 @@ class ClippedPGLossFn:
 
     def __init__(self, config: ClippedPGLossConfig | Mapping[str, Any] | None = None) -> None:
         self.config = resolve_pg_loss_config(config if config is not None else ClippedPGLossConfig())
+
+    @property
+    def zero_advantage_is_inert(self) -> bool:
+        # Every policy-gradient form (ppo_clip, gspo, cispo, IS-weighted or not) is A times a
+        # factor; only the KL penalty acts on a sample whatever its advantage.
+        return self.config.reference_policy_kl_penalty == 0
 
     @property
     def loss_type(self) -> str:

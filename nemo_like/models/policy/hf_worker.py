@@ -62,6 +62,20 @@ def _attention_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return (ar[None, :] < lengths[:, None].to(input_ids.device)).long()
 
 
+def _without_skipped(gb: BatchedDataDict) -> BatchedDataDict:
+    """The samples a training pass computes: those not flagged ``skip_pass`` (samples that cannot
+    move the weights, see ``guards.inert_samples``). With every sample flagged, one is kept with
+    its loss masked, so the optimizer still gets gradients (zeros, as the full pass would give)."""
+    if "skip_pass" not in gb:
+        return gb
+    keep = ~gb["skip_pass"].bool()
+    if keep.any():
+        return gb.select_indices(keep)
+    one = gb.select_indices([0])
+    one["sample_mask"] = torch.zeros(1)
+    return one
+
+
 def pick_device(use_cuda: bool) -> torch.device:
     """The GPU this process was given. Ray narrows CUDA_VISIBLE_DEVICES to an actor's own GPU, which
     is then device 0 of what it sees (LOCAL_RANK would point past it for every rank above 0); under
@@ -283,7 +297,7 @@ class HFPolicyWorker(RefitSourceMixin):
                              f"global batch {gbs} (policy.train_global_batch_size / world size)")
         self.model.train()
         all_metrics: list[dict[str, float]] = []
-        tok_real = tok_computed = tok_samples = 0
+        tok_real = tok_computed = tok_samples = passed = 0
         t_start = time.perf_counter()
         for gb_start in range(0, data.size, gbs):
             gb = data.slice(gb_start, gb_start + gbs)
@@ -292,6 +306,8 @@ class HFPolicyWorker(RefitSourceMixin):
             if dist.is_initialized() and self.world_size > 1:
                 dist.all_reduce(counts)
             global_toks, global_seqs = counts[0].float(), counts[1].float()
+            gb = _without_skipped(gb)  # after counting: the loss's normalisers still count them
+            passed += gb.size
 
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
@@ -330,7 +346,7 @@ class HFPolicyWorker(RefitSourceMixin):
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t_start
         perf = self._perf_metrics(data, elapsed)
-        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples], dtype=torch.float64)
+        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, passed], dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(eff)
         out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
@@ -338,6 +354,8 @@ class HFPolicyWorker(RefitSourceMixin):
                                           # Positions computed per token of the samples: below 1 when
                                           # shared prompts are computed once.
                                           "computed_tokens_ratio": float(eff[1] / eff[3].clamp(min=1)),
+                                          # Samples the passes computed, all ranks (grpo.skip_inert_samples).
+                                          "trained_samples": float(eff[4]),
                                           "peak_memory_gb": perf["peak_memory_gb"]}
         if "mfu" in perf:
             out["mfu"] = float(eff[2]) / self.world_size

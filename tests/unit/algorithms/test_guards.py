@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, merge_rounds
+from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -72,3 +72,21 @@ def test_collapse_watch_needs_patience_consecutive_steps_per_signature():
     assert w4.observe(flat, 2) is not None
     off = CollapseWatch(_cfg(enabled=False, patience=1))
     assert off.observe(junk, 1) is None
+
+
+def test_inert_samples_are_those_that_cannot_move_the_weights():
+    from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+
+    token_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 0], [0, 1, 1]])
+    data = BatchedDataDict(token_mask=token_mask, sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]),
+                           advantages=torch.tensor([0.5, 0.0, 0.7, 0.3, -0.0]))
+    no_kl, kl = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}), ClippedPGLossFn({"reference_policy_kl_penalty": 0.1})
+    # Advantage 0 (either sign), no loss (sample mask 0), no loss token: inert.
+    assert inert_samples(data, no_kl).tolist() == [False, True, True, True, True]
+    # The KL penalty pulls on every sample with loss tokens, whatever its advantage.
+    assert inert_samples(data, kl).tolist() == [False, False, True, True, False]
+    # A loss that does not say (a custom one): only samples with no loss at all.
+    assert inert_samples(data, object()).tolist() == [False, False, True, True, False]
+    # Per-token advantages: inert only where every loss token's is 0 (the prompt's does not count).
+    data["advantages"] = torch.tensor([[9.0, 0.0, 0.1], [9.0, 0.0, 0.0], [0, 0, 0], [1, 1, 1], [0, 0, 0.0]])
+    assert inert_samples(data, no_kl).tolist() == [False, True, True, True, True]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from nemo_like.algorithms.guards import inert_samples
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
@@ -45,7 +46,7 @@ def _batch(tok) -> BatchedDataDict:
     return data
 
 
-def _run(cluster, model_dir, data, name, **kw):
+def _run(cluster, model_dir, data, name, skip=False, **kw):
     cfg = PolicyConfig(model_name=model_dir, train_global_batch_size=16, train_micro_batch_size=2,
                        logprob_batch_size=3, max_total_sequence_length=48, optimizer={"lr": 1e-2},
                        generation={"max_new_tokens": 4}, **kw)
@@ -54,7 +55,10 @@ def _run(cluster, model_dir, data, name, **kw):
         before = p.get_logprobs(data)
         d = data.copy()
         d["prev_logprobs"] = d["generation_logprobs"] = d["reference_policy_logprobs"] = before["logprobs"]
-        metrics = p.train(d, ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}))
+        loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0})
+        if skip:
+            d["skip_pass"] = inert_samples(d, loss_fn)
+        metrics = p.train(d, loss_fn)
         after = p.get_logprobs(data)
     finally:
         p.shutdown()
@@ -85,3 +89,25 @@ def test_packed_and_dynamic_batches_make_the_same_update_on_two_ranks(cluster, m
     assert ref_m["peak_memory_gb"] > 0
     # Each prompt computed once for its four completions: fewer positions than the samples hold.
     assert ratio["packed"] < 0.9 * ratio["packed-noshare"] and ratio["packed-noshare"] >= 1.0
+
+
+def test_skipping_inert_samples_makes_the_same_update(cluster, model_dir):
+    # Two groups with equal rewards (advantage 0) and one sample out of the loss: with no KL
+    # penalty they add nothing to the gradient. Rank 1's whole shard (samples 8-15) is inert, so
+    # that rank trains one masked stand-in, in lock step with rank 0's micro-batches.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = _batch(tok)
+    data["advantages"][8:] = 0.0
+    data["sample_mask"][0] = 0.0
+    am = data["token_mask"].bool()
+    flags = inert_samples(data, ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}))
+    assert flags.tolist() == [True] + [False] * 7 + [True] * 8
+    assert not inert_samples(data, ClippedPGLossFn({"reference_policy_kl_penalty": 0.1}))[8:].any()
+    packed = {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 96, "row_length": 48}}
+    _, ref_m, ref_after = _run(cluster, model_dir, data, "all", **packed)
+    _, m, after = _run(cluster, model_dir, data, "skip", skip=True, **packed)
+    assert m["loss"] == pytest.approx(ref_m["loss"], rel=1e-5, abs=1e-7)
+    assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4)
+    assert torch.allclose(after["logprobs"][am], ref_after["logprobs"][am], atol=1e-5)
+    # Rank 0 computed its 7 live samples, rank 1 its masked stand-in: 8 of 16.
+    assert (ref_m["trained_samples"], m["trained_samples"]) == (16.0, 8.0)
