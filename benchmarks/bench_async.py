@@ -6,7 +6,7 @@
 
 For each tool-call latency (``env.tool.call_latency_s``: every tool call waits that long, as a web
 API would), the synchronous loop (the config as it is) and the asynchronous one
-(``grpo.async_rollouts`` with a separate rollout worker, ``--staleness``) train the same number of
+(``grpo.async_rollouts`` with a separate rollout group, ``--rollout-workers``, ``--staleness``) train the same number of
 steps from the same base model, one after the other, each in a fresh subprocess. Wall time is the
 training loop's (validation included, Ray start and model loading not). The table gives both
 sides' wall time, their ratio and the final per-task held-out accuracies; the PNG plots held-out
@@ -30,17 +30,20 @@ QUIET = ["checkpointing.enabled=false", "logger.jsonl_enabled=false", "logger.te
          "logger.stdout_enabled=false", "logger.wandb_enabled=false"]
 
 
-def async_overrides(staleness: int, cpus: int, split: tuple[int, int] | None = None) -> list[str]:
-    """Async GRPO on this machine: the trainer and one rollout worker share its cores (``split``:
-    threads of each; more in all than the machine has oversubscribes it on purpose, for rollouts
-    that mostly wait on I/O)."""
-    train_cpus, gen_cpus = split or (max(1, cpus // 2), max(1, cpus - max(1, cpus // 2)))
+def async_overrides(staleness: int, cpus: int, split: tuple[int, int] | None = None,
+                    rollout_workers: int = 2) -> list[str]:
+    """Async GRPO on this machine: the trainer and ``rollout_workers`` rollout workers share its
+    cores (``split``: threads of the trainer and of each rollout worker). More threads in all than
+    the machine has oversubscribes it on purpose: the trainer computes a third of the time or less
+    (its update skips inert samples), and rollouts wait on their environments."""
+    train_cpus, gen_cpus = split or (max(1, cpus // 2), max(1, (cpus - max(1, cpus // 2)) // rollout_workers))
     out = ["policy.generation.colocated=false", "grpo.async_rollouts.enabled=true",
            f"grpo.async_rollouts.max_staleness={staleness}", "loss_fn.use_importance_sampling_correction=true",
            "loss_fn.truncated_importance_sampling_ratio=2.0", f"cluster.cpus_per_worker={train_cpus}",
-           f"cluster.generation.cpus_per_worker={gen_cpus}"]
-    if train_cpus + gen_cpus > cpus:  # Ray's CPUs are a count of slots, not cores
-        out.append(f"cluster.num_cpus={train_cpus + gen_cpus + 1}")
+           f"cluster.generation.num_workers={rollout_workers}", f"cluster.generation.cpus_per_worker={gen_cpus}"]
+    slots = train_cpus + gen_cpus * rollout_workers
+    if slots > cpus:  # Ray's CPUs are a count of slots, not cores
+        out.append(f"cluster.num_cpus={slots + 1}")
     return out
 
 
@@ -85,6 +88,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--async-threads", default=None, metavar="TRAIN,ROLLOUT",
                     help="threads of the async trainer and rollout worker (default: the cores split in two)")
+    ap.add_argument("--rollout-workers", type=int, default=2,
+                    help="async rollout workers (default 2: on 2 cores they take the trainer's core while it waits)")
     ap.add_argument("--png", default="bench_async.png")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
@@ -102,7 +107,7 @@ def main(argv: list[str]) -> int:
         # Tool calls that wait on I/O must not queue for a thread: a slot per call of a whole batch.
         lat_o = [f"env.tool.call_latency_s={lat}", "env.tool.max_concurrent_calls=256", "env.tool.max_stuck_calls=256",
                  f"env.tool.timeout_s={max(2.0, 2 * lat + 1)}"] if lat else []
-        for mode, extra in (("sync", []), ("async", async_overrides(args.staleness, cpus, split))):
+        for mode, extra in (("sync", []), ("async", async_overrides(args.staleness, cpus, split, args.rollout_workers))):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "r.json"
                 cmd = [sys.executable, __file__, "--config", args.config, "--_child",
@@ -113,7 +118,7 @@ def main(argv: list[str]) -> int:
 
     print(f"\ncommand: uv run benchmarks/bench_async.py {' '.join(argv)}")
     print(f"config: {args.config} ({os.cpu_count()} CPUs); async: max_staleness={args.staleness}, "
-          f"one rollout worker, {' '.join(async_overrides(args.staleness, cpus, split)[4:])}\n")
+          f"{' '.join(async_overrides(args.staleness, cpus, split, args.rollout_workers)[4:])}\n")
     print("| tool latency | mode | wall s | s/step | async/sync | final held-out accuracy per task | staleness max |")
     print("|---|---|---|---|---|---|---|")
     for lat in latencies:

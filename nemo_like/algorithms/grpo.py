@@ -300,9 +300,11 @@ class GRPOTrainer:
         batch = rl_collate_fn([self.val_dataset[i] for i in idx])
         if self.generator is self.policy:
             batch, m = self._rollout(batch, greedy=True)
-        else:  # the trainer's workers wait for validation anyway: they generate half of it, beside the rollout workers
+        else:  # the trainer's workers wait for validation anyway: they generate a share of it, beside the
+            # rollout workers (shares by worker count: each worker has its own cores)
             batch, m = run_split_rollout(batch, [lambda b: self._rollout(b, True, self.policy),
-                                                 lambda b: self._rollout(b, True, self.generator)])
+                                                 lambda b: self._rollout(b, True, self.generator)],
+                                         [self.policy.world_size, getattr(self.generator, "num_workers", 1)])
             self.policy.finish_generation()
         rewards = batch["total_reward"]
         out = {"val/accuracy": float((rewards >= 1.0).float().mean()),

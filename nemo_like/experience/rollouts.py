@@ -362,10 +362,11 @@ def _is_counter(key: str) -> bool:
 
 
 def run_split_rollout(batch: BatchedDataDict,
-                      rollouts: list[Callable[[BatchedDataDict], tuple[BatchedDataDict, dict[str, float]]]]
-                      ) -> tuple[BatchedDataDict, dict[str, float]]:
-    """Deal the samples of ``batch`` round-robin to ``rollouts`` (each a rollout on a generator of
-    its own), run them in threads at once, and put the results back in batch order.
+                      rollouts: list[Callable[[BatchedDataDict], tuple[BatchedDataDict, dict[str, float]]]],
+                      weights: list[float] | None = None) -> tuple[BatchedDataDict, dict[str, float]]:
+    """Deal the samples of ``batch`` to ``rollouts`` (each a rollout on a generator of its own), in
+    turn and in proportion to ``weights`` (default equal: round-robin; e.g. each generator's worker
+    count), run them in threads at once, and put the results back in batch order.
 
     The result holds the per-sample fields (lists and 1-D tensors: ``total_reward``, ``task_name``,
     ``num_turns``, ``truncated``, ``generation_lengths``, ``message_log``, ...); 2-D tensors are left
@@ -373,9 +374,17 @@ def run_split_rollout(batch: BatchedDataDict,
     environment metrics weighted by each part's size; ``generation_s`` the longest part's.
     """
     n, k = batch.size, len(rollouts)
-    parts_idx = [list(range(i, n, k)) for i in range(k) if i < n]
+    w = [float(x) for x in (weights or [1.0] * k)]
+    if len(w) != k or not all(x > 0 for x in w):
+        raise ValueError(f"run_split_rollout: weights must be {k} positive numbers, got {weights}")
+    parts_idx: list[list[int]] = [[] for _ in range(k)]
+    for i in range(n):  # each sample to the part furthest below its share (ties: the first)
+        j = min(range(k), key=lambda j: (len(parts_idx[j]) / w[j], j))
+        parts_idx[j].append(i)
+    rollouts = [r for r, idx in zip(rollouts, parts_idx) if idx]
+    parts_idx = [idx for idx in parts_idx if idx]
     with ThreadPoolExecutor(len(parts_idx), thread_name_prefix="split-rollout") as pool:
-        parts = list(pool.map(lambda run, idx: run(batch.select_indices(idx)), rollouts[: len(parts_idx)], parts_idx))
+        parts = list(pool.map(lambda run, idx: run(batch.select_indices(idx)), rollouts, parts_idx))
     order = torch.tensor([i for idx in parts_idx for i in idx])
     back = torch.argsort(order)
     out = BatchedDataDict()
