@@ -87,7 +87,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--async-threads", default=None, metavar="TRAIN,ROLLOUT",
-                    help="threads of the async trainer and rollout worker (default: the cores split in two)")
+                    help="threads of the async trainer and of each rollout worker (default: half the cores "
+                         "to the trainer, the other half shared by the rollout workers, at least one each)")
     ap.add_argument("--rollout-workers", type=int, default=2,
                     help="async rollout workers (default 2: on 2 cores they take the trainer's core while it waits)")
     ap.add_argument("--png", default="bench_async.png")
@@ -99,6 +100,8 @@ def main(argv: list[str]) -> int:
         run_child(args.config, json.loads(spec), out)
         return 0
     cpus = os.cpu_count() or 2
+    if args.rollout_workers < 1:
+        ap.error(f"--rollout-workers must be at least 1, got {args.rollout_workers}")
     split = tuple(int(x) for x in args.async_threads.split(",")) if args.async_threads else None
     latencies = args.latency or [0.0, 1.0]
     base = QUIET + ([f"grpo.max_num_steps={args.steps}"] if args.steps else []) + overrides

@@ -111,7 +111,10 @@ def clipped_pg_loss(
 
 
 class LossFunction(Protocol):
-    """What the policy worker calls once per micro-batch."""
+    """What the policy worker calls once per micro-batch. A sample whose ``sample_mask`` is 0
+    carries no loss: it must add nothing to the loss nor to its gradient, and the loss must divide
+    by the global counts it is given, not by its micro-batch's (the trainer leaves such samples out
+    of the pass, ``grpo.skip_inert_samples``)."""
 
     @property
     def loss_type(self) -> str: ...  # "token" or "sequence"

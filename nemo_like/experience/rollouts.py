@@ -374,12 +374,12 @@ def run_split_rollout(batch: BatchedDataDict,
     environment metrics weighted by each part's size; ``generation_s`` the longest part's.
     """
     n, k = batch.size, len(rollouts)
-    w = [float(x) for x in (weights or [1.0] * k)]
-    if len(w) != k or not all(x > 0 for x in w):
+    share = [float(x) for x in (weights or [1.0] * k)]
+    if len(share) != k or not all(x > 0 for x in share):
         raise ValueError(f"run_split_rollout: weights must be {k} positive numbers, got {weights}")
     parts_idx: list[list[int]] = [[] for _ in range(k)]
-    for i in range(n):  # each sample to the part furthest below its share (ties: the first)
-        j = min(range(k), key=lambda j: (len(parts_idx[j]) / w[j], j))
+    for i in range(n):  # each sample to the part furthest below its share (Webster's rounding; ties: the first)
+        j = min(range(k), key=lambda j: ((len(parts_idx[j]) + 0.5) / share[j], j))
         parts_idx[j].append(i)
     rollouts = [r for r, idx in zip(rollouts, parts_idx) if idx]
     parts_idx = [idx for idx in parts_idx if idx]

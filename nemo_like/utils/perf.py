@@ -57,8 +57,8 @@ def throughput_metrics(timings: dict[str, float], train_data: Any, rollout: Any,
         out["perf/generation_tokens_per_s"] = gen_tokens / timings["generation"]
     if timings.get("logprobs", 0) > 0:
         out["perf/logprob_tokens_per_s"] = seq_tokens / timings["logprobs"]
-    if timings.get("train", 0) > 0:
-        out["perf/train_tokens_per_s"] = seq_tokens / timings["train"]
+    if timings.get("train", 0) > 0:  # the tokens trained (inert samples skipped are not)
+        out["perf/train_tokens_per_s"] = train_metrics.get("trained_tokens", seq_tokens) / timings["train"]
     for k in ("peak_memory_gb", "mfu"):
         if k in train_metrics:
             out[f"perf/{k}"] = train_metrics[k]

@@ -62,18 +62,19 @@ def _attention_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return (ar[None, :] < lengths[:, None].to(input_ids.device)).long()
 
 
-def _without_skipped(gb: BatchedDataDict) -> BatchedDataDict:
-    """The samples a training pass computes: those not flagged ``skip_pass`` (samples that cannot
-    move the weights, see ``guards.inert_samples``). With every sample flagged, one is kept with
-    its loss masked, so the optimizer still gets gradients (zeros, as the full pass would give)."""
+def _without_skipped(gb: BatchedDataDict) -> tuple[BatchedDataDict, int]:
+    """The samples a training pass computes, and how many of them train: those not flagged
+    ``skip_pass`` (samples that cannot move the weights, see ``guards.inert_samples``). With every
+    sample flagged, the shortest is kept with its loss masked (0 trained), so the optimizer still
+    gets gradients (zeros, as the full pass would give) and FSDP ranks stay in lock step."""
     if "skip_pass" not in gb:
-        return gb
+        return gb, gb.size
     keep = ~gb["skip_pass"].bool()
     if keep.any():
-        return gb.select_indices(keep)
-    one = gb.select_indices([0])
+        return gb.select_indices(keep), int(keep.sum())
+    one = gb.select_indices([int(gb["input_lengths"].argmin())])
     one["sample_mask"] = torch.zeros(1)
-    return one
+    return one, 0
 
 
 def pick_device(use_cuda: bool) -> torch.device:
@@ -298,6 +299,7 @@ class HFPolicyWorker(RefitSourceMixin):
         self.model.train()
         all_metrics: list[dict[str, float]] = []
         tok_real = tok_computed = tok_samples = passed = 0
+        trained_lengths: list[torch.Tensor] = []  # of the samples the passes trained (MFU)
         t_start = time.perf_counter()
         for gb_start in range(0, data.size, gbs):
             gb = data.slice(gb_start, gb_start + gbs)
@@ -306,8 +308,9 @@ class HFPolicyWorker(RefitSourceMixin):
             if dist.is_initialized() and self.world_size > 1:
                 dist.all_reduce(counts)
             global_toks, global_seqs = counts[0].float(), counts[1].float()
-            gb = _without_skipped(gb)  # after counting: the loss's normalisers still count them
-            passed += gb.size
+            gb, n_trained = _without_skipped(gb)  # after counting: the loss's normalisers still count them
+            passed += n_trained
+            trained_lengths.append(gb["input_lengths"][:n_trained])
 
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
@@ -345,8 +348,9 @@ class HFPolicyWorker(RefitSourceMixin):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t_start
-        perf = self._perf_metrics(data, elapsed)
-        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, passed], dtype=torch.float64)
+        perf = self._perf_metrics(torch.cat(trained_lengths), elapsed)
+        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, passed,
+                            float(torch.cat(trained_lengths).sum())], dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(eff)
         out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
@@ -354,18 +358,20 @@ class HFPolicyWorker(RefitSourceMixin):
                                           # Positions computed per token of the samples: below 1 when
                                           # shared prompts are computed once.
                                           "computed_tokens_ratio": float(eff[1] / eff[3].clamp(min=1)),
-                                          # Samples the passes computed, all ranks (grpo.skip_inert_samples).
+                                          # Samples trained, all ranks (fewer under grpo.skip_inert_samples).
                                           "trained_samples": float(eff[4]),
+                                          "trained_tokens": float(eff[5]),
                                           "peak_memory_gb": perf["peak_memory_gb"]}
         if "mfu" in perf:
             out["mfu"] = float(eff[2]) / self.world_size
         return out
 
-    def _perf_metrics(self, data: BatchedDataDict, elapsed: float) -> dict[str, float]:
-        """This rank's peak memory and, on a GPU of known peak, its model FLOPs utilisation."""
+    def _perf_metrics(self, lengths: torch.Tensor, elapsed: float) -> dict[str, float]:
+        """This rank's peak memory and, on a GPU of known peak, its model FLOPs utilisation over the
+        samples trained (``lengths``)."""
         out = {"peak_memory_gb": peak_memory_gb(self.device)}
         peak = device_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
-        lengths = data["input_lengths"].double()
+        lengths = lengths.double()
         if peak and elapsed > 0 and lengths.numel():
             # Causal attention: a token attends to half its sequence on average (sum n^2 / 2 / sum n).
             context = float((lengths ** 2).sum() / 2 / lengths.sum())
@@ -395,7 +401,9 @@ class HFPolicyWorker(RefitSourceMixin):
         vec = torch.tensor([sums[k] for k in keys] + [weight_total], dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(vec)
-        total_w = float(vec[-1]) or 1.0
+        total_w = float(vec[-1])
+        if total_w == 0:  # nothing carried loss (every sample masked or skipped): no means to report
+            return {k: float(vec[i]) for i, k in enumerate(keys) if k == "loss"}
         return {k: float(vec[i]) if k == "loss" else float(vec[i]) / total_w for i, k in enumerate(keys)}
 
     # ---- checkpoints --------------------------------------------------------------------------

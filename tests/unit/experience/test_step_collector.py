@@ -149,6 +149,7 @@ def test_a_collector_that_died_between_updates_gets_the_next_weights(ray_session
         deadline = time.monotonic() + 60
         while _state(pid) not in ("", "Z") and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert _state(pid) in ("", "Z"), "the killed collector's process is still running"
         group.push_weights(net.state_dict(), version=2)
         assert group.restarts == 1
         trajs = group.collect(_jobs([5, 6], count=2))

@@ -109,5 +109,22 @@ def test_skipping_inert_samples_makes_the_same_update(cluster, model_dir):
     assert m["loss"] == pytest.approx(ref_m["loss"], rel=1e-5, abs=1e-7)
     assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4)
     assert torch.allclose(after["logprobs"][am], ref_after["logprobs"][am], atol=1e-5)
-    # Rank 0 computed its 7 live samples, rank 1 its masked stand-in: 8 of 16.
-    assert (ref_m["trained_samples"], m["trained_samples"]) == (16.0, 8.0)
+    # Rank 0 trained its 7 live samples; rank 1 ran a masked stand-in, which trains nothing.
+    assert (ref_m["trained_samples"], m["trained_samples"]) == (16.0, 7.0)
+    lengths = data["input_lengths"]
+    assert (ref_m["trained_tokens"], m["trained_tokens"]) == (float(lengths.sum()), float(lengths[1:8].sum()))
+    # The loss's means are over the samples trained: the ratio metrics stay ratios (1 at the start).
+    assert m["probs_ratio"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_pass_with_no_loss_reports_the_loss_alone():
+    # Every sample of an optimizer batch skipped (or masked): means over zero tokens do not exist;
+    # a 0.0 "probs_ratio" would read as a collapsed policy.
+    from types import SimpleNamespace
+
+    from nemo_like.models.policy.hf_worker import HFPolicyWorker
+
+    one_rank = SimpleNamespace(world_size=1)
+    assert HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.0, "probs_ratio": 0.0}, 0.0) == {"loss": 0.0}
+    assert HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.5, "probs_ratio": 4.0}, 4.0) == {
+        "loss": 0.5, "probs_ratio": 1.0}
