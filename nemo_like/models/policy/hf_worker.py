@@ -7,6 +7,7 @@ public method here is called on all workers at once with that worker's shard of 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -402,9 +403,10 @@ class HFPolicyWorker(RefitSourceMixin):
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(vec)
         total_w = float(vec[-1])
-        if total_w == 0:  # nothing carried loss (every sample masked or skipped): no means to report
-            return {k: float(vec[i]) for i, k in enumerate(keys) if k == "loss"}
-        return {k: float(vec[i]) if k == "loss" else float(vec[i]) / total_w for i, k in enumerate(keys)}
+        # Nothing carried loss (every sample masked or skipped): the means are undefined, NaN (logged as
+        # null), not 0.0, which would read as a collapsed ratio; the keys stay for tables and curves.
+        return {k: float(vec[i]) if k == "loss" else (float(vec[i]) / total_w if total_w else math.nan)
+                for i, k in enumerate(keys)}
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
@@ -494,5 +496,8 @@ class HFPolicyWorker(RefitSourceMixin):
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the mean over the dicts that have a number for it (NaN: an optimizer step with
+    nothing to average, left out); NaN where none has."""
     keys = {k for d in ds for k in d}
-    return {k: sum(d[k] for d in ds if k in d) / sum(1 for d in ds if k in d) for k in keys}
+    vals = {k: [d[k] for d in ds if k in d and not math.isnan(d[k])] for k in keys}
+    return {k: sum(v) / len(v) if v else math.nan for k, v in vals.items()}

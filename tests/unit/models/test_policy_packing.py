@@ -117,14 +117,19 @@ def test_skipping_inert_samples_makes_the_same_update(cluster, model_dir):
     assert m["probs_ratio"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_a_pass_with_no_loss_reports_the_loss_alone():
+def test_a_pass_with_no_loss_reports_undefined_means_not_zeros():
     # Every sample of an optimizer batch skipped (or masked): means over zero tokens do not exist;
-    # a 0.0 "probs_ratio" would read as a collapsed policy.
+    # a 0.0 "probs_ratio" would read as a collapsed policy. NaN (logged as null), keys kept.
+    import math
     from types import SimpleNamespace
 
-    from nemo_like.models.policy.hf_worker import HFPolicyWorker
+    from nemo_like.models.policy.hf_worker import HFPolicyWorker, _mean_dicts
 
     one_rank = SimpleNamespace(world_size=1)
-    assert HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.0, "probs_ratio": 0.0}, 0.0) == {"loss": 0.0}
-    assert HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.5, "probs_ratio": 4.0}, 4.0) == {
-        "loss": 0.5, "probs_ratio": 1.0}
+    empty = HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.0, "probs_ratio": 0.0}, 0.0)
+    assert empty["loss"] == 0.0 and math.isnan(empty["probs_ratio"])
+    full = HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.5, "probs_ratio": 4.0}, 4.0)
+    assert full == {"loss": 0.5, "probs_ratio": 1.0}
+    # Over the optimizer steps of a GRPO step, a step with nothing to average is left out.
+    assert _mean_dicts([empty, full]) == {"loss": 0.25, "probs_ratio": 1.0}
+    assert math.isnan(_mean_dicts([empty])["probs_ratio"])
