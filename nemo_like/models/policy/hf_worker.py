@@ -299,7 +299,7 @@ class HFPolicyWorker(RefitSourceMixin):
                              f"global batch {gbs} (policy.train_global_batch_size / world size)")
         self.model.train()
         all_metrics: list[dict[str, float]] = []
-        tok_real = tok_computed = tok_samples = passed = 0
+        tok_real = tok_computed = tok_samples = 0
         trained_lengths: list[torch.Tensor] = []  # of the samples the passes trained (MFU)
         t_start = time.perf_counter()
         for gb_start in range(0, data.size, gbs):
@@ -310,7 +310,6 @@ class HFPolicyWorker(RefitSourceMixin):
                 dist.all_reduce(counts)
             global_toks, global_seqs = counts[0].float(), counts[1].float()
             gb, n_trained = _without_skipped(gb)  # after counting: the loss's normalisers still count them
-            passed += n_trained
             trained_lengths.append(gb["input_lengths"][:n_trained])
 
             self.optimizer.zero_grad(set_to_none=True)
@@ -349,9 +348,10 @@ class HFPolicyWorker(RefitSourceMixin):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t_start
-        perf = self._perf_metrics(torch.cat(trained_lengths), elapsed)
-        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, passed,
-                            float(torch.cat(trained_lengths).sum())], dtype=torch.float64)
+        trained = torch.cat(trained_lengths)
+        perf = self._perf_metrics(trained, elapsed)
+        eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, trained.numel(),
+                            float(trained.sum())], dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(eff)
         out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
