@@ -196,6 +196,7 @@ class ContinuousBatcher:
         self._all_stops: set[str] = set()
         self.candidates, self.window = None, 0
         self._just_finished: list[torch.Tensor] = []
+        self._modes: set[bool] = set()  # greedy and/or sampled requests so far (a shared engine mixes them)
         self._track = False  # a source wants to hear of finished requests
         if data is None:  # streaming: requests of any length up to the sequence limit come later
             B = 0
@@ -225,16 +226,21 @@ class ContinuousBatcher:
                      "logprobs": torch.zeros((0, self.max_budget), dtype=torch.float32, device=device),
                      "gen_len": torch.zeros(0, dtype=torch.long, device=device),
                      "ended": torch.zeros(0, dtype=torch.bool, device=device),
-                     "has_stop": torch.zeros(0, dtype=torch.bool, device=device)}
+                     "has_stop": torch.zeros(0, dtype=torch.bool, device=device),
+                     "greedy_req": torch.zeros(0, dtype=torch.bool, device=device)}
         for name, buf in self._buf.items():
             setattr(self, name, buf)
         self.arange = torch.arange(max(self.columns, B, max_total_length) + 1, device=device)
         if B:
             self.add(ids, lengths, per)
 
-    def add(self, input_ids: torch.Tensor, lengths: torch.Tensor, stop_strings: list) -> list[int]:
-        """Queue requests ([k, T] right padded, [k] lengths, k stop-string lists or None); their ids."""
+    def add(self, input_ids: torch.Tensor, lengths: torch.Tensor, stop_strings: list,
+            greedy: bool | None = None) -> list[int]:
+        """Queue requests ([k, T] right padded, [k] lengths, k stop-string lists or None), decoded
+        greedily or sampled as ``greedy`` says (None: as the batcher was made); their ids."""
         k = len(lengths)
+        greedy = self.greedy if greedy is None else bool(greedy)
+        self._modes.add(greedy)
         lengths = lengths.long().cpu()
         budgets = token_budgets(lengths, self.cfg, self.max_total_length).clamp(max=self.max_budget)
         if self.pos_limit is not None:  # learned absolute positions: a row may not run past the table
@@ -249,7 +255,8 @@ class ContinuousBatcher:
                "logprobs": torch.zeros((k, self.max_budget), device=dev),
                "gen_len": torch.zeros(k, dtype=torch.long, device=dev),
                "ended": torch.zeros(k, dtype=torch.bool, device=dev),
-               "has_stop": torch.tensor([bool(s) for s in stops], dtype=torch.bool, device=dev)}
+               "has_stop": torch.tensor([bool(s) for s in stops], dtype=torch.bool, device=dev),
+               "greedy_req": torch.full((k,), greedy, dtype=torch.bool, device=dev)}
         for name, rows in new.items():
             fill = self.pad_id if name in ("input_ids", "input_dev", "tokens") else 0
             self._buf[name] = _append(self._buf[name], self.count, rows, fill)
@@ -382,7 +389,7 @@ class ContinuousBatcher:
                rows: torch.Tensor) -> None:
         """Sample the first tokens (``logits`` [k, V]) and admit the requests that go on: request j's
         cache is row ``rows[j]`` of ``cache`` (columns where ``mask[rows[j]]`` is set)."""
-        tok, lp = _sample(logits, self.greedy, self.cfg)
+        tok, lp = self._pick(logits, req)
         go_on = ~self._record(req, tok, lp)
         if not bool(go_on.any()):
             return
@@ -398,6 +405,15 @@ class ContinuousBatcher:
         self.slots_state.admit(req[go_on], tok[go_on], lens[go_on], mask[rows],
                                [layer.keys[rows] for layer in cache.layers],
                                [layer.values[rows] for layer in cache.layers])
+
+    def _pick(self, logits: torch.Tensor, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token: greedy or sampled, as its request asked."""
+        if len(self._modes) == 1:
+            return _sample(logits, next(iter(self._modes)), self.cfg)
+        tok, lp = _sample(logits, False, self.cfg)
+        g_tok, g_lp = _sample(logits, True, self.cfg)
+        g = self.greedy_req[req]
+        return torch.where(g, g_tok, tok), torch.where(g, g_lp, lp)
 
     def _keep_prefixes(self, s: Slots, done: torch.Tensor) -> None:
         """Put the KV of the rows that just ended in the prefix cache, keyed by their tokens."""
@@ -421,7 +437,7 @@ class ContinuousBatcher:
         logits = self._forward(s.cache, s.last[:n, None], s.pos[:n, None], s.valid[:n, : L + 1])
         s.length = L + 1
         s.pos[:n] += 1
-        tok, lp = _sample(logits, self.greedy, self.cfg)
+        tok, lp = self._pick(logits, s.req[:n])
         done = self._record(s.req[:n], tok, lp)
         s.last[:n] = tok
         if bool(done.any()):
