@@ -228,10 +228,13 @@ class Episodes:
     def add_turn(self, i: int, ids: torch.Tensor, logprobs: torch.Tensor, *, hit_limit: bool,
                  version: int | None = None) -> None:
         """Append the assistant's turn (``hit_limit``: it hit its token cap; the environment still
-        decides whether the episode goes on)."""
-        self.message_logs[i].append({"role": "assistant",
-                                     "content": self.tokenizer.decode(ids.tolist(), skip_special_tokens=True),
-                                     "token_ids": ids, "generation_logprobs": logprobs})
+        decides whether the episode goes on). ``version``: of the weights it started with, kept on
+        the message as ``policy_version``; the episode's is its oldest turn's."""
+        msg = {"role": "assistant", "content": self.tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+               "token_ids": ids, "generation_logprobs": logprobs}
+        if version is not None:
+            msg["policy_version"] = int(version)
+        self.message_logs[i].append(msg)
         self.turns[i] += 1
         self.gen_lengths[i] += len(ids)
         self.lengths[i] += len(ids)

@@ -51,47 +51,73 @@ class EpisodeStream:
     """The engine's request source for a batch of episodes (``RequestSource`` of the engine)."""
 
     def __init__(self, episodes: Episodes, envs: dict[str, Any], step_timeouts: dict[str, float] | None,
-                 version: int | None = None, step_concurrency: dict[str, int] | None = None):
-        self.ep, self.envs, self.version = episodes, envs, version
+                 version: int | None = None, step_concurrency: dict[str, int] | None = None,
+                 greedy: bool | None = None):
+        # ``version``: of the weights a turn starting now is generated with (a shared engine moves it
+        # on at a refit; each turn keeps the one it started with). ``greedy``: None, as the engine.
+        self.ep, self.envs, self.version, self.greedy = episodes, envs, version, greedy
         self.limits = step_timeouts or {}
         self.concurrency = step_concurrency or {}
         for task in set(episodes.task_names) - set(envs):
             raise KeyError(f"no environment for task {task!r}; configured: {sorted(envs)}")
         self.ready = list(range(episodes.n))  # episodes whose next turn can be queued
         self.request_of: dict[int, int] = {}  # engine request -> episode
+        self.turn_version: dict[int, int | None] = {}  # engine request -> weights version at its start
         self.to_grade: dict[str, list[int]] = {}
         # Calls in flight: ref -> (task, its samples, deadline).
         self.in_flight: dict[ray.ObjectRef, tuple[str, list[int], float | None]] = {}
-        self.env_wait_s = 0.0  # nothing decoding, only environments working
+        self.env_wait_s = 0.0  # none of this stream's rows in the engine, only its environments working
+        self._idle_since: float | None = None
         self.num_calls = 0
 
     # ---- RequestSource ------------------------------------------------------------------------
     def poll(self, batcher: ContinuousBatcher, block: bool) -> None:
         self._collect(wait=False)
         while block and not self.ready and self.in_flight:
-            t0 = time.perf_counter()
             self._collect(wait=True)
-            self.env_wait_s += time.perf_counter() - t0
         ready = [i for i in self.ready if self.ep.wants_turn(i)]
         self.ready = []
         if ready:
             rows = [self.ep.prompt_ids(i) for i in ready]
             ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=batcher.pad_id)
             lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-            reqs = batcher.add(ids, lengths, [self.ep.stop_strings[i] for i in ready])
+            reqs = batcher.add(ids, lengths, [self.ep.stop_strings[i] for i in ready], greedy=self.greedy)
             self.request_of.update(zip(reqs, ready))
+            self.turn_version.update((r, self.version) for r in reqs)
         self._dispatch()  # episodes that ended are no longer counted as to come
+        self._mark_idle()
 
     def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None:
         for r in requests:
             i = self.request_of.pop(r)
             ids, logprobs, ended = batcher.result(r)
-            self.ep.add_turn(i, ids, logprobs, hit_limit=not ended, version=self.version)
+            self.ep.add_turn(i, ids, logprobs, hit_limit=not ended, version=self.turn_version.pop(r))
             self.to_grade.setdefault(self.ep.task_names[i], []).append(i)
         self._dispatch()
+        self._mark_idle()
 
     def exhausted(self) -> bool:
         return not self.ready and not self.in_flight and not any(self.to_grade.values())
+
+    # ---- for an engine shared by several streams (models/generation/shared_engine.py) ---------------
+    def decoding(self) -> bool:
+        """Whether any of this stream's requests is queued or decoding in the engine."""
+        return bool(self.request_of)
+
+    def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]:
+        """The environment calls in flight and the earliest of their deadlines (monotonic), if any."""
+        deadlines = [d for _, _, d in self.in_flight.values() if d is not None]
+        return list(self.in_flight), min(deadlines) if deadlines else None
+
+    def _mark_idle(self) -> None:
+        """Count the time with none of this stream's rows in the engine while its environments work."""
+        now = time.perf_counter()
+        idle = not self.request_of and not self.exhausted()
+        if idle and self._idle_since is None:
+            self._idle_since = now
+        elif not idle and self._idle_since is not None:
+            self.env_wait_s += now - self._idle_since
+            self._idle_since = None
 
     # ---- environment calls --------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -184,17 +210,34 @@ def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, An
             return out
         return run_multi_turn_rollout(_LocalGenerator(generate), batch, tokenizer, envs, max_turns=max_turns,
                                       max_seq_len=max_seq_len, greedy=greedy, step_timeouts=step_timeouts)
-    ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
-    source = EpisodeStream(ep, envs, step_timeouts, version, step_concurrency)
+    source = open_stream(batch, tokenizer, envs, max_turns=max_turns, max_seq_len=max_seq_len,
+                         step_timeouts=step_timeouts, version=version, step_concurrency=step_concurrency)
     t0 = time.perf_counter()
     with decoding_mode(model):
         ContinuousBatcher(model, tokenizer, None, cfg, greedy=greedy, max_total_length=max_total_length,
                           slots=slots, device=device, prefix_cache=prefix_cache).run(source)
-    wall = time.perf_counter() - t0
+    return close_stream(source, time.perf_counter() - t0)
+
+
+def open_stream(batch: BatchedDataDict, tokenizer, envs: dict[str, Any], *, max_turns: int, max_seq_len: int,
+                step_timeouts: dict[str, float] | None = None, version: int | None = None,
+                step_concurrency: dict[str, int] | None = None, greedy: bool | None = None) -> EpisodeStream:
+    """The request source of ``batch``'s episodes, for an engine to run (``close_stream`` after)."""
+    ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
+    return EpisodeStream(ep, envs, step_timeouts, version, step_concurrency, greedy)
+
+
+def close_stream(source: EpisodeStream, wall_s: float) -> tuple[BatchedDataDict, dict[str, float]]:
+    """The rollout and metrics of a stream an engine ran to its end in ``wall_s`` seconds.
+
+    ``generation_s`` is the wall time less ``stream/env_wait_s``: the time with none of the stream's
+    rows in the engine, only its environments working."""
+    ep = source.ep
     # Out of inference mode: the training step embeds these ids and must be able to save them.
     for log in ep.message_logs:
         for k, m in enumerate(log):
             if "generation_logprobs" in m and m["token_ids"].is_inference():
                 log[k] = m | {"token_ids": m["token_ids"].clone(), "generation_logprobs": m["generation_logprobs"].clone()}
-    out, metrics = ep.result(generation_s=wall - source.env_wait_s)
+    source._mark_idle()  # closes the last wait, if the stream ended on one
+    out, metrics = ep.result(generation_s=max(0.0, wall_s - source.env_wait_s))
     return out, metrics | {"stream/env_wait_s": source.env_wait_s, "stream/env_calls": float(source.num_calls)}
