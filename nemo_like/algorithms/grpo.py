@@ -188,8 +188,8 @@ class GRPOTrainer:
                 self.policy.finish_training()
 
             # 6. Weight sync: a separate rollout group gets the new weights (version = optimizer steps).
-            # Async: the trainer goes on once they are exported; a rollout worker mid-call loads them
-            # when that call ends, before any later call (its samples record the version they used).
+            # Async: the trainer goes on once they are exported; a rollout worker loads them between
+            # two engine steps, and calls sent later wait for them (samples record the version they used).
             refit_metrics = {}
             if self.generator is not self.policy:
                 with timer.time("weight_sync"):

@@ -30,7 +30,9 @@ The transport is the seam between the two sides, one class each:
 The engine is the other seam: a vLLM or SGLang engine plugs in as a worker class (one module) with
 ``generate(data, greedy) -> BatchedDataDict`` (the ``GenerationInterface`` contract plus
 ``policy_version``), ``update_weights(chunk_refs, version) -> dict`` and ``weights_checksum()``,
-passed as ``RolloutGroup(..., worker_cls=...)``.
+passed as ``RolloutGroup(..., worker_cls=...)``. A class with ``max_concurrency`` > 1 gets a threaded
+actor, whose calls may run out of order: its generation methods then take ``min_version`` (the
+version of the last refit sent; wait until it has loaded), as ``RolloutWorker`` does.
 """
 
 from __future__ import annotations
@@ -213,8 +215,11 @@ class RolloutGroup(GenerationInterface):
         env = {"NEMO_LIKE_USE_GPU": "1" if gpus else "0"}
         if os.environ.get("HF_HUB_OFFLINE"):
             env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
+        # A threaded actor runs a call beside another (RolloutWorker: batches in flight share its engine).
+        self._threaded = int(getattr(worker_cls, "max_concurrency", 1)) > 1
+        actor_cls = ray.remote(max_concurrency=int(worker_cls.max_concurrency))(worker_cls) if self._threaded else worker_cls
         try:
-            self.workers = RayWorkerGroup(self.cluster, worker_cls, policy_config, seed=seed,
+            self.workers = RayWorkerGroup(self.cluster, actor_cls, policy_config, seed=seed,
                                           name_prefix=name_prefix, env_vars=env)
         except BaseException:
             self.cluster.shutdown()
@@ -246,7 +251,7 @@ class RolloutGroup(GenerationInterface):
         for rank, handle in enumerate(self.workers.workers):
             end = start + n // w + (1 if rank < n % w else 0)
             if end > start:
-                refs.append(handle.generate.remote(sub.slice(start, end), greedy=greedy))
+                refs.append(handle.generate.remote(sub.slice(start, end), greedy=greedy, **self._after_refit()))
                 ranks.append(rank)
             start = end
         return RolloutHandle(refs, ranks, n)
@@ -273,6 +278,7 @@ class RolloutGroup(GenerationInterface):
         A task's ``step_concurrency`` (calls its environment may have in flight) is shared out among
         the workers, each keeping at least one."""
         sub = BatchedDataDict({k: batch[k] for k in EPISODE_KEYS if k in batch})
+        kwargs = kwargs | self._after_refit()
         if kwargs.get("step_concurrency"):
             kwargs = kwargs | {"step_concurrency": per_worker_concurrency(kwargs["step_concurrency"], self.num_workers)}
 
@@ -294,8 +300,9 @@ class RolloutGroup(GenerationInterface):
 
         ``wait=False`` (the object store transport; others always wait) returns once the weights
         are exported: every call to the workers sent after this one sees them, and a worker busy
-        with a rollout loads them when that call ends, while the policy trains on (the worker class
-        must run its calls one at a time, in the order sent, as a default Ray actor does). It returns
+        with a rollout loads them while the policy trains on: ``RolloutWorker`` between two steps of
+        its engine (later calls wait for them: ``min_version``), a worker class that runs its calls
+        one at a time in the order sent (a default Ray actor) when the current call ends. It returns
         this refit's ``refit/bytes`` and ``refit/chunks`` and the previous one's
         ``refit/load_seconds_max``; the load is checked (and its metrics returned) by ``finish_refit``,
         which the next refit and the checks below call first."""
@@ -352,6 +359,10 @@ class RolloutGroup(GenerationInterface):
                 self.cluster.shutdown()
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _after_refit(self) -> dict[str, int]:
+        """What a threaded worker's call needs to run on the weights of the last refit sent."""
+        return {"min_version": self._version} if self._threaded else {}
+
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self.workers.get_all_worker_results(self.workers.run_all_workers_single_data(method, *args))
 
