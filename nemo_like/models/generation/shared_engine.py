@@ -142,6 +142,9 @@ class SharedEngine:
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _main(self) -> None:
+        param = next(self.model.parameters(), None)
+        if param is not None and param.is_cuda:  # the current CUDA device is per thread
+            torch.cuda.set_device(param.device)
         while True:
             with self._cond:
                 while not (self._tasks or self._joining or self._active):
