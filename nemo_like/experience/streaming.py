@@ -100,10 +100,6 @@ class EpisodeStream:
         return not self.ready and not self.in_flight and not any(self.to_grade.values())
 
     # ---- for an engine shared by several streams (models/generation/shared_engine.py) ---------------
-    def decoding(self) -> bool:
-        """Whether any of this stream's requests is queued or decoding in the engine."""
-        return bool(self.request_of)
-
     def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]:
         """The environment calls in flight and the earliest of their deadlines (monotonic), if any."""
         deadlines = [d for _, _, d in self.in_flight.values() if d is not None]

@@ -47,12 +47,11 @@ class Stream(Protocol):
     """What the engine needs of a stream (``experience.streaming.EpisodeStream`` is one)."""
 
     version: int | None
-    request_of: dict[int, Any]  # its requests in the engine
+    request_of: dict[int, Any]  # its requests queued or decoding in the engine
 
     def poll(self, batcher: ContinuousBatcher, block: bool) -> None: ...
     def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None: ...
     def exhausted(self) -> bool: ...
-    def decoding(self) -> bool: ...
     def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]: ...
 
 
@@ -84,7 +83,7 @@ class SharedEngine:
         self._tasks: deque[_Waiter] = deque()  # run in the order they came
         self._version = 0
         self._batcher: ContinuousBatcher | None = None
-        self.steps = 0  # engine loop turns (polls), for tests and metrics
+        self.steps = 0  # polls so far (a test waits on it)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -112,7 +111,7 @@ class SharedEngine:
         turns starting later record it, and callers waiting in ``wait_for_version`` go on."""
         with self._cond:
             self._version = int(version)
-            for w in self._active + self._joining:
+            for w in self._active:  # a stream still joining takes the version when admitted
                 w.stream.version = self._version
             self._cond.notify_all()
 
@@ -189,7 +188,7 @@ class SharedEngine:
     def _retire(self) -> None:
         keep = []
         for w in self._active:
-            if w.stream.exhausted() and not w.stream.decoding():
+            if w.stream.exhausted() and not w.stream.request_of:
                 w.end()
             else:
                 keep.append(w)
