@@ -1,6 +1,7 @@
-"""Rollout throughput (generated tokens per second) of the generation engines, on CPU.
+"""Rollout throughput (generated tokens per second) of the generation engines, on CPU or a GPU.
 
     uv run benchmarks/bench_generation.py [--quick] [--reps N] [--threads N] [--skip-compile]
+    python benchmarks/bench_generation.py --device cuda     # the GPU target: SmolLM2-135M shape, batch 256
 
 Engines: HF `generate` per micro-batch (`policy.generation.engine=generate`), this project's continuous
 batching (`engine=continuous`), transformers' own continuous batching (`model.generate_batch`, on a
@@ -12,11 +13,16 @@ does) and "ragged" (max_total_sequence_length leaves each sample its own budget,
 rollouts: longer prompts get fewer tokens). tokens/s = tokens the samples keep (sum of
 generation_lengths) / wall seconds, best of --reps runs, engines interleaved. "greedy" says whether the
 engine's greedy tokens equal `generate`'s on the first samples of the workload.
+
+``--device cuda`` runs the GPU workload instead: the SmolLM2-135M-shaped model in bfloat16, 64 prompts
+x G=4 = 256 samples decoded together (``--gpu-new-tokens`` each, slots 256), the issue's target being
+the continuous engine at >= 5x `generate`'s tokens/s there.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import signal
@@ -32,7 +38,7 @@ from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
-CPU = torch.device("cpu")
+DEVICE = torch.device("cpu")  # --device sets it
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
@@ -105,7 +111,7 @@ def run_engine(engine: str, model, tok, w: Work, greedy: bool, data: BatchedData
                            share_prompt_prefill=not static)
     t = time.perf_counter()
     out = hf_generate(model, tok, data, cfg, greedy=greedy, max_total_length=w.max_total,
-                      micro_batch_size=w.micro_batch, synced=False, device=CPU)
+                      micro_batch_size=w.micro_batch, synced=False, device=DEVICE)
     secs = time.perf_counter() - t
     return int(out["generation_lengths"].sum()), secs, out["output_ids"]
 
@@ -149,7 +155,10 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                     set_static_compile(model, True)
                     _alarm(args.compile_timeout)
                 t = time.perf_counter()
-                _, _, ids = run_engine(e, model, tok, w, True, data=check, cb_cap=args.check)
+                # On a GPU the check runs in float32 (args.check_model): bfloat16 logits of two
+                # batchings differ in their last bits, which flips near ties.
+                _, _, ids = run_engine(e, getattr(args, "check_model", None) or model, tok, w, True, data=check,
+                                       cb_cap=args.check)
                 signal.alarm(0)
                 warm = time.perf_counter() - t
                 if e == "generate":
@@ -203,6 +212,42 @@ def step_overhead(model, tok, args) -> str:
     return ", ".join(parts)
 
 
+def print_table(rows: list[tuple]) -> None:
+    head = ("model", "workload", "engine", "tokens/s", "vs generate", "tokens", "seconds", "greedy")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, tuple("-" * w for w in widths), *rows]:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def main_gpu(args, argv: list[str]) -> int:
+    """The GPU target's workload: 256 samples of the SmolLM2-135M shape in bfloat16, decoded together."""
+    cuda = DEVICE.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+        return 2
+    print("command: python benchmarks/bench_generation.py " + " ".join(argv))
+    print(f"device: {torch.cuda.get_device_name(DEVICE) if cuda else 'cpu'}, torch {torch.__version__}")
+    engines = ["generate", "continuous", "generate_batch"] + ([] if args.skip_compile else ["static+compile"])
+    with tempfile.TemporaryDirectory() as d:
+        tok = build_char_tokenizer(d, extra_tokens=TOOL_TOKENS)
+    model = smollm2_shaped(49152, tok.pad_token_id, tok.eos_token_id).to(DEVICE)
+    if cuda:
+        args.check_model = copy.deepcopy(model)  # float32, for the greedy check
+        model = model.to(torch.bfloat16)
+    n_p = 16 if args.quick else 64
+    data = grpo_prompts(5, len(tok), n_p, 4, tok.pad_token_id, seed=1)
+    new = args.gpu_new_tokens
+    works = [Work(f"batch {4 * n_p}", data, new, 64 + new, 4 * n_p)]
+    args.cb_samples = max(args.cb_samples, 4 * n_p)  # generate_batch is built for this case: all of them
+    print(f"smollm2-135m-shaped, {model.dtype}: {n_p} prompts x G=4 (prompt lengths 20-60), max_new_tokens {new}, "
+          f"micro batch / slots {4 * n_p}; greedy compared on the first {args.check} samples")
+    rows = bench_model("smollm2-135m", model, tok, works, engines, args)
+    if cuda:
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated(DEVICE) / 2**30:.2f} GiB")
+    print_table(rows)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples and one rep: a smoke run")
@@ -213,7 +258,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile-timeout", type=int, default=300)
     ap.add_argument("--cb-samples", type=int, default=16, help="samples given to generate_batch (it is slow)")
     ap.add_argument("--check", type=int, default=24, help="samples whose greedy tokens are compared")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU workload (batch 256)")
+    ap.add_argument("--gpu-workload", action="store_true",
+                    help="the batch-256 workload (implied by --device cuda; on a CPU: a smoke run of it)")
+    ap.add_argument("--gpu-new-tokens", type=int, default=128, help="the batch-256 workload: new tokens per sample")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" or args.gpu_workload:
+        return main_gpu(args, argv)
     if args.quick:
         args.reps = 1
     if args.threads:
@@ -249,10 +302,7 @@ def main(argv: list[str]) -> int:
     print(f"load average after: {os.getloadavg()[0]:.1f}; generate_batch runs the first "
           f"{args.cb_samples} samples with max_new_tokens for all (no per-sample budgets); "
           f"greedy compared on the first {args.check} samples")
-    head = ("model", "workload", "engine", "tokens/s", "vs generate", "tokens", "seconds", "greedy")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    for r in [head, tuple("-" * w for w in widths), *rows]:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(rows)
     return 0
 
 

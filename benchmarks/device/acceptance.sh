@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Run THERE, on the lent GPU machine, in the repo root (the second device call of
+# benchmarks/README.md "On a lent GPU"; prepare.sh made what it carries). Installs the carried
+# wheels, then runs the CUDA checks one after the other, each under its own time limit and all
+# within BUDGET_S seconds (a check that would not fit in what is left is skipped, and says so).
+# Each check's output goes to $OUT/<check>.log and one line per check to $OUT/summary.txt, so a
+# check that fails or hangs still leaves the others' results. ONLY="generation grpo" runs those.
+#
+# The checks (issue 15's GPU acceptance, in this order):
+#   env         the GPU, torch, and that the project and Ray import
+#   cuda_tests  tests/unit/models/test_cuda.py: continuous engine = generate on CUDA; a training step
+#               and an object-store refit between a trainer and a rollout worker sharing the GPU
+#   generation  bench_generation.py --device cuda: tokens/s at batch 256, SmolLM2-135M shape, bf16
+#   grpo        the math default on the GPU (bf16, colocated), GRPO_STEPS steps: per-phase timing and
+#               the perf/ metrics (tokens/s, peak memory, MFU) of metrics.jsonl
+#   async       bench_async.py, sync against async (trainer and one rollout worker on half the GPU
+#               each, max_staleness 1), tool latency 0 and 1 s, ASYNC_STEPS steps each
+# The NCCL refit between two groups needs two GPUs: one machine of one GPU cannot run it (NCCL
+# refuses two ranks on one device), so it is not among these checks.
+set -uo pipefail
+OUT=${OUT:-/tmp/acceptance_out}
+BUDGET_S=${BUDGET_S:-540}
+GRPO_STEPS=${GRPO_STEPS:-10}
+ASYNC_STEPS=${ASYNC_STEPS:-8}
+ONLY=${ONLY:-env cuda_tests generation grpo async}
+mkdir -p "$OUT"
+start=$(date +%s)
+summary="$OUT/summary.txt"
+: > "$summary"
+
+# ---- install what was carried ------------------------------------------------------------------
+wheel=/tmp/$(cat .carry_ray2/WHEEL_NAME)
+if ! cat /root/stash/ray.part.aa .carry_ray2/ray.part.ab > "$wheel"; then
+  echo "install: /root/stash/ray.part.aa missing: call 1 (carry .carry_ray1) did not run on this machine" | tee -a "$summary"
+  exit 1
+fi
+if [ "$(sha256sum "$wheel" | cut -d' ' -f1)" != "$(cat .carry_ray2/SHA256)" ]; then
+  echo "install: the reassembled Ray wheel's sha256 differs from prepare.sh's" | tee -a "$summary"
+  exit 1
+fi
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+     "$wheel" .carry_deps/*.whl > "$OUT/install.log" 2>&1; then
+  echo "install: pip failed (install.log)" | tee -a "$summary"
+  exit 1
+fi
+rm -f "$OUT/install.log"
+export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
+export NEMO_LIKE_CACHE="$PWD/.carry_models" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
+echo "install: done in $(( $(date +%s) - start )) s" >> "$summary"
+
+# The code environment's sandbox is bubblewrap; an image without it grades code unsandboxed (rlimits only).
+SANDBOX=()
+if ! command -v bwrap > /dev/null; then
+  SANDBOX=(env.code.allow_unsandboxed=true)
+  echo "note: no bwrap on this machine: the code environment runs unsandboxed" >> "$summary"
+fi
+
+# ---- the checks ---------------------------------------------------------------------------------
+check() {  # name limit_s command...
+  local name=$1 limit=$2; shift 2
+  case " $ONLY " in *" $name "*) ;; *) return ;; esac
+  local left=$(( BUDGET_S - ($(date +%s) - start) ))
+  if [ "$left" -lt 30 ]; then
+    echo "$name: skipped, ${left} s of the budget left" >> "$summary"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local what=passed
+  [ $rc -ne 0 ] && what="FAILED rc=$rc"
+  [ $rc -eq 124 ] && what="TIMED OUT after $limit s"
+  echo "$name: $what in $(( $(date +%s) - t0 )) s" >> "$summary"
+  ray stop --force > /dev/null 2>&1 || true  # a check that died leaves no Ray behind for the next
+}
+
+check env 60 bash -c 'nvidia-smi; python3 -c "
+import torch, transformers, ray, pydantic, datasets
+import nemo_like.algorithms.grpo
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))
+print(\"transformers\", transformers.__version__, \"ray\", ray.__version__, \"pydantic\", pydantic.__version__)
+"'
+check cuda_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
+check generation 200 python3 benchmarks/bench_generation.py --device cuda --reps 2 --compile-timeout 90
+check grpo 150 python3 examples/run_grpo_math.py cluster.gpus_per_worker=1 cluster.cpus_per_worker=4 \
+  cluster.num_cpus=8 policy.precision=bfloat16 grpo.max_num_steps="$GRPO_STEPS" grpo.val_period="$GRPO_STEPS" \
+  grpo.max_val_samples=200 checkpointing.enabled=false logger.log_dir=/tmp/grpo_cuda logger.tensorboard_enabled=false
+[ -f /tmp/grpo_cuda/metrics.jsonl ] && cp /tmp/grpo_cuda/metrics.jsonl "$OUT/grpo_metrics.jsonl"
+check async 240 python3 benchmarks/bench_async.py --steps "$ASYNC_STEPS" --rollout-workers 1 \
+  --png /tmp/bench_async.png --json "$OUT/async.json" cluster.gpus_per_worker=0.5 \
+  cluster.generation.gpus_per_worker=0.5 policy.precision=bfloat16 cluster.num_cpus=16 cluster.cpus_per_worker=8 \
+  "${SANDBOX[@]}"
+echo "total: $(( $(date +%s) - start )) s" >> "$summary"
+cat "$summary"
