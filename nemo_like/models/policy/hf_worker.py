@@ -284,6 +284,9 @@ class HFPolicyWorker(RefitSourceMixin):
         try:
             yield
         finally:
+            # The forward just run left the root's gathered parameters holding the swapped-in
+            # values; the next forward would reuse them (FSDP2 does not gather an unsharded root).
+            self._reshard()
             with torch.no_grad():
                 for n, p in current.items():
                     _local(p).copy_(saved[n], non_blocking=True)

@@ -109,6 +109,9 @@ def test_train_lowers_nll_and_checkpoint_round_trips(policy, cluster, model_dir,
         lp = p.get_logprobs(data)["logprobs"]
         ref = p.get_reference_policy_logprobs(data)["reference_logprobs"]
         assert not torch.allclose(lp, ref)  # the reference stays the initial weights
+        # ... and is swapped out again entirely: FSDP2 leaves the root's gathered parameters (the
+        # embeddings, the final norm) behind after a forward, holding the reference's values.
+        assert torch.allclose(p.get_logprobs(data)["logprobs"], lp, atol=1e-6)
         p.save_checkpoint(str(tmp_path / "ckpt"))
         # The checkpoint is a plain HF folder.
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
