@@ -305,7 +305,7 @@ class ContinuousBatcher:
                 done = torch.cat(self._just_finished).tolist()
                 self._just_finished = []
                 source.finished(self, done)
-        return None if source is not None else self.outputs()
+        return None if source is not None else self._outputs()
 
     def _record(self, req: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
         """Store each row's new token; which rows ended with it."""
@@ -445,27 +445,17 @@ class ContinuousBatcher:
                 self._keep_prefixes(s, done)
             s.drop(done)
 
-    def outputs(self, reqs: list[int] | None = None) -> BatchedDataDict:
-        """The `GenerationInterface` contract for ``reqs`` (default: every request), in that order:
-        prompt then generated tokens, right padded."""
-        if reqs is None:
-            input_ids, lengths, gen_len = self.input_ids, self.lengths, self.gen_len.cpu()
-            tokens, logprobs, ended = self.tokens.cpu(), self.logprobs.cpu(), self.ended.cpu()
-        else:
-            idx = torch.tensor(reqs, dtype=torch.long)
-            dev = idx.to(self.device)
-            lengths = self.lengths[idx]
-            input_ids = self.input_ids[idx, : int(lengths.max()) if len(reqs) else 0]
-            gen_len, ended = self.gen_len[dev].cpu(), self.ended[dev].cpu()
-            tokens, logprobs = self.tokens[dev].cpu(), self.logprobs[dev].cpu()
-        B, T = input_ids.shape
-        total = lengths + gen_len
+    def _outputs(self) -> BatchedDataDict:
+        """The `GenerationInterface` contract: prompt then generated tokens, right padded."""
+        B, T = self.input_ids.shape
+        gen_len, tokens, logprobs = self.gen_len.cpu(), self.tokens.cpu(), self.logprobs.cpu()
+        total = self.lengths + gen_len
         width = int(total.max()) if B else 0
         out_ids = torch.full((B, T + self.max_budget), self.pad_id, dtype=torch.long)
         out_lp = torch.zeros((B, T + self.max_budget), dtype=torch.float32)
-        prompt = torch.arange(T)[None] < lengths[:, None]
-        out_ids[:, :T] = torch.where(prompt, input_ids.long(), self.pad_id)
-        cols = lengths[:, None] + torch.arange(self.max_budget)[None]
+        prompt = torch.arange(T)[None] < self.lengths[:, None]
+        out_ids[:, :T] = torch.where(prompt, self.input_ids.long(), self.pad_id)
+        cols = self.lengths[:, None] + torch.arange(self.max_budget)[None]
         out_ids.scatter_(1, cols, tokens)  # tokens past a row's end are still pad
         out_lp.scatter_(1, cols, logprobs)
         return BatchedDataDict(
@@ -473,7 +463,7 @@ class ContinuousBatcher:
             logprobs=out_lp[:, :width],
             generation_lengths=gen_len,
             unpadded_sequence_lengths=total,
-            truncated=~ended,
+            truncated=~self.ended.cpu(),
         )
 
 

@@ -4,10 +4,10 @@
 the plain HF model of ``policy.model_name`` (with ``policy.lora`` too: a refit sends merged weights,
 so there is no adapter here), float32 on a CPU and ``policy.precision`` on a GPU, in eval mode.
 
-Its calls run on threads of their own (``max_concurrency``): every ``generate_episodes`` and
-``generate`` call feeds one engine shared by all (``shared_engine.py``), so the episodes or turns of
-two batches in flight decode together, and everything else that touches the weights (a refit, a
-checksum) runs on the engine's thread between two of its steps. ``min_version`` makes a call wait for the refit sent
+Its calls run on threads of their own (``max_concurrency``): every ``generate_episodes`` call feeds
+one engine shared by all (``shared_engine.py``), so the episodes of two batches in flight decode
+together, and everything that touches the weights (a refit, ``generate``, a checksum) runs on the
+engine's thread between two of its steps. ``min_version`` makes a call wait for the refit sent
 before it (Ray does not order a threaded actor's calls).
 
 ``update_weights`` is strict: every parameter must arrive (once per chunk stream), under a name the
@@ -31,7 +31,7 @@ from nemo_like.models.generation import collective_refit
 from nemo_like.models.generation.engine import ContinuousBatcher, unsupported_reason
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.prefix_cache import make_prefix_cache
-from nemo_like.models.generation.shared_engine import GenerateStream, SharedEngine
+from nemo_like.models.generation.shared_engine import SharedEngine
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.weight_export import named_checksum, tensor_bytes
@@ -89,15 +89,6 @@ class RolloutWorker:
         weights that generated each sample (at least ``min_version``)."""
         self._await_version(min_version)
         sub = BatchedDataDict({k: data[k] for k in GENERATE_KEYS if k in data})
-        if self.cfg.generation.engine == "continuous" and unsupported_reason(self.model) is None:
-            # Decoded with every other call's rows (another batch's turn, a validation) in the shared
-            # batcher, on the weights of the moment; a refit mid-call tags the rows with the version
-            # they started with, as turns of episodes are tagged.
-            stream = GenerateStream(sub, greedy)
-            self._engine.stream(stream)
-            out = BatchedDataDict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stream.out.items()})
-            out["policy_version"] = torch.full((out.size,), int(stream.started_version), dtype=torch.int64)
-            return out
 
         def run() -> BatchedDataDict:
             self._check_clean()

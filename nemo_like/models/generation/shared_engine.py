@@ -7,10 +7,8 @@ GRPO keeps up to ``max_staleness + 1`` batches in flight: while one batch's epis
 tools, the next batch's decode, where a worker that ran its calls one at a time sat idle until the
 slowest tool of the first batch had answered.
 
-A plain ``generate`` call joins the same batcher (``GenerateStream``): batches that roll out turn by
-turn, and a validation, decode their turns together too. Everything else that touches the weights
-(a refit, a checksum, ``generate`` with an engine other than ours) runs on the same thread through
-``call``, between two engine steps, so no forward sees half-loaded weights. A
+Everything else that touches the weights (a refit, a plain ``generate``, a checksum) runs on the
+same thread through ``call``, between two engine steps, so no forward sees half-loaded weights. A
 refit that lands while episodes decode applies from the next step on:
 
 * each turn records the version it *started* with, and an episode's lag is that of its oldest turn,
@@ -55,46 +53,6 @@ class Stream(Protocol):
     def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None: ...
     def exhausted(self) -> bool: ...
     def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]: ...
-
-
-class GenerateStream:
-    """One plain ``generate`` call's rows as a stream: added at once, sampled or greedy as the call
-    says, their outputs (``generate``'s contract) kept once the last one ends. Two batches in flight
-    that roll out turn by turn then decode their turns in the same steps, where each call used to
-    take the model alone (on a CPU a step of 190 rows costs little more than one of 20)."""
-
-    def __init__(self, data, greedy: bool):
-        self.data, self.greedy = data, greedy
-        self.version: int | None = None
-        self.request_of: dict[int, int] = {}
-        self.started_version: int | None = None  # of the weights its rows started with
-        self.out = None
-        self._ids: list[int] | None = None
-
-    def poll(self, batcher: ContinuousBatcher, block: bool) -> None:
-        if self._ids is not None:
-            return
-        d = self.data
-        n = len(d["input_lengths"])
-        stops = list(d["stop_strings"]) if "stop_strings" in d else [None] * n
-        self.started_version = self.version
-        self._ids = batcher.add(d["input_ids"], d["input_lengths"], stops, greedy=self.greedy)
-        self.request_of = dict.fromkeys(self._ids, 0)
-        if not self._ids:
-            self.out = batcher.outputs([])
-
-    def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None:
-        for r in requests:
-            self.request_of.pop(r, None)
-        if not self.request_of:
-            # Now, before the batcher is recycled for a new one.
-            self.out = batcher.outputs(self._ids)
-
-    def exhausted(self) -> bool:
-        return self._ids is not None
-
-    def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]:
-        return [], None
 
 
 @dataclass

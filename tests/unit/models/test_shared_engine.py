@@ -16,9 +16,9 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.experience.streaming import close_stream, open_stream, stream_episodes
 from nemo_like.models.generation import shared_engine
-from nemo_like.models.generation.engine import ContinuousBatcher, continuous_generate
+from nemo_like.models.generation.engine import ContinuousBatcher
 from nemo_like.models.generation.interfaces import GenerationConfig
-from nemo_like.models.generation.shared_engine import GenerateStream, SharedEngine
+from nemo_like.models.generation.shared_engine import SharedEngine
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 GEN = GenerationConfig(max_new_tokens=6, temperature=1.0)
@@ -215,46 +215,3 @@ def test_a_task_runs_on_the_engine_thread_and_its_error_reaches_the_caller(setup
     with pytest.raises(ValueError, match="bad chunk"):
         engine.call(lambda: (_ for _ in ()).throw(ValueError("bad chunk")))
     assert engine.call(lambda: 41 + 1) == 42  # the thread lives on
-
-
-def _prompts(tok, texts: list[str]) -> BatchedDataDict:
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width = max(map(len, ids))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return BatchedDataDict(input_ids=torch.tensor([i + [pad] * (width - len(i)) for i in ids]),
-                           input_lengths=torch.tensor([len(i) for i in ids]))
-
-
-def test_plain_generate_calls_decode_together_and_give_what_each_gives_alone(setup, monkeypatch):
-    """Three ``generate`` calls (two greedy, one sampled) share the engine's steps: rows of several
-    calls decode in one step, each greedy call's output equals ``continuous_generate``'s alone (the
-    contract's fields, token for token), and each call reports the version its rows started with."""
-    tok, model, _ = setup
-    a = _prompts(tok, ["add 12 and 30", "hi", "a much longer prompt than the others"])
-    b = _prompts(tok, ["x", "count to five", "tell"])
-    c = _prompts(tok, ["sampled one", "sampled two"])
-    want = {name: continuous_generate(model, tok, d, GEN, greedy=True, max_total_length=400, slots=8, device=CPU)
-            for name, d in (("a", a), ("b", b))}
-    widest = []
-    decode = ContinuousBatcher._decode
-    monkeypatch.setattr(ContinuousBatcher, "_decode", lambda self, s: (widest.append(s.n), decode(self, s))[1])
-    engine = _engine(model, tok)
-    engine.call(engine.set_version, 3)
-    streams = {"a": GenerateStream(a, greedy=True), "b": GenerateStream(b, greedy=True), "c": GenerateStream(c, greedy=False)}
-    with ThreadPoolExecutor(3) as pool:
-        for f in [pool.submit(engine.stream, st) for st in streams.values()]:
-            f.result(timeout=60)
-    assert max(widest) > 3  # more rows than any one call has
-    for name in ("a", "b"):
-        got = streams[name].out
-        for key in ("output_ids", "generation_lengths", "unpadded_sequence_lengths", "truncated"):
-            assert torch.equal(got[key], want[name][key]), (name, key)
-        torch.testing.assert_close(got["logprobs"], want[name]["logprobs"], atol=1e-4, rtol=0)
-    out_c = streams["c"].out
-    assert out_c["output_ids"].shape[0] == 2 and (out_c["generation_lengths"] > 0).all()
-    assert torch.equal(out_c["output_ids"][:, :2], c["input_ids"][:, :2])  # the prompts come first
-    assert {st.started_version for st in streams.values()} == {3}
-    empty = GenerateStream(BatchedDataDict(input_ids=torch.zeros((0, 1), dtype=torch.long),
-                                           input_lengths=torch.zeros(0, dtype=torch.long)), greedy=True)
-    engine.stream(empty)
-    assert empty.out["output_ids"].shape[0] == 0
