@@ -223,22 +223,19 @@ class HFPolicyWorker(RefitSourceMixin):
         ids = mb.data["input_ids"].to(self.device)
         return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp)
 
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (CPU) summed over the ranks, on the CPU; NCCL reduces only tensors on the GPU."""
+    def _reduce_over_ranks(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """``t`` (CPU) reduced over the ranks (``op``: default sum), on the CPU; NCCL reduces only
+        tensors on the GPU."""
         if not (dist.is_initialized() and self.world_size > 1):
             return t
         out = t.to(self.device) if self.device.type == "cuda" else t
-        dist.all_reduce(out)
+        dist.all_reduce(out, op=op or dist.ReduceOp.SUM)
         return out.cpu()
 
     def _synced_count(self, n: int) -> int:
         """Micro-batches every rank runs: FSDP's collectives run in lock step, and token budgets can
         give ranks different counts; a rank with fewer repeats a pass whose result it throws away."""
-        if not (dist.is_initialized() and self.world_size > 1):
-            return n
-        t = torch.tensor([n], dtype=torch.long, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return int(self._reduce_over_ranks(torch.tensor([n], dtype=torch.long), op=dist.ReduceOp.MAX).item())
 
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -316,7 +313,7 @@ class HFPolicyWorker(RefitSourceMixin):
         for gb_start in range(0, data.size, gbs):
             gb = data.slice(gb_start, gb_start + gbs)
             mask = gb["token_mask"].float() * gb["sample_mask"].float()[:, None]
-            counts = self._sum_over_ranks(torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64))
+            counts = self._reduce_over_ranks(torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64))
             global_toks, global_seqs = counts[0].float(), counts[1].float()
             gb, n_trained = _without_skipped(gb)  # after counting: the loss's normalisers still count them
             trained_lengths.append(gb["input_lengths"][:n_trained])
@@ -361,7 +358,7 @@ class HFPolicyWorker(RefitSourceMixin):
         perf = self._perf_metrics(trained, elapsed)
         eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, trained.numel(),
                             float(trained.sum())], dtype=torch.float64)
-        eff = self._sum_over_ranks(eff)
+        eff = self._reduce_over_ranks(eff)
         out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
                                           "padding_efficiency": float(eff[0] / eff[1].clamp(min=1)),
                                           # Positions computed per token of the samples: below 1 when
@@ -407,7 +404,7 @@ class HFPolicyWorker(RefitSourceMixin):
     def _reduce_metrics(self, sums: dict[str, float], weight_total: float) -> dict[str, float]:
         """Loss is summed over workers; the other metrics are token-weighted means over workers."""
         keys = sorted(sums)
-        vec = self._sum_over_ranks(torch.tensor([sums[k] for k in keys] + [weight_total], dtype=torch.float64))
+        vec = self._reduce_over_ranks(torch.tensor([sums[k] for k in keys] + [weight_total], dtype=torch.float64))
         total_w = float(vec[-1])
         # Nothing carried loss (every sample masked or skipped): the means are undefined, NaN (logged as
         # null), not 0.0, which would read as a collapsed ratio; the keys stay for tables and curves.
