@@ -52,6 +52,14 @@ from compare_trl_roles import _read, _summary, _trl_loss_type, _trl_scale_reward
 # ================================================================================================
 # orchestrator
 # ================================================================================================
+def _grader_name(spec: dict) -> str:
+    g = spec.get("grader", {"kind": "math"})
+    if g["kind"] == "math":
+        return "verify_math_answer"
+    where = "last \\boxed{}" if g["answer_format"] == "boxed" else f"last <{g['answer_tag']}>"
+    return f"reasoning-gym score_answer on the {where}{'' if g['partial_credit'] else ', exact answers only'}"
+
+
 def _trl_available() -> str | None:
     try:
         import trl
@@ -245,7 +253,7 @@ def _settings_table(spec: dict, proj: dict | None, trl_res: dict | None) -> str:
          f"1 process x {trl_res['threads_in_training'] if trl_res else spec['threads']}"],
         ["CPU priority (nice) of the compute", f"{proj_nice} (Ray policy worker)" if proj_nice is not None else "-",
          f"{trl_res['nice']} (set to match)" if trl_res else "-"],
-        ["reward", "math env actor (verify_math_answer rules)", "verify_math_answer as reward function"],
+        ["reward", f"{_grader_name(spec)} env actor", "the same rule as a reward function"],
         ["seed", hp["seed"], hp["seed"]],
     ]
     if trl_res is not None:
@@ -417,7 +425,7 @@ def _report(args, spec, proj, trl_res, ev, durations, total_s) -> dict[str, Any]
           f"\nGRPO step's last optimizer step (of {spec['hp']['optimizer_steps_per_step']}; generation, data"
           " loading and logging included).\nAccuracy: every model graded by the same evaluator here: HF greedy"
           f" generate, at most {spec['hp']['max_new_tokens']} new tokens,\nstop at {spec['eos_token']},"
-          " verify_math_answer; paired results on the same problems (McNemar):")
+          f" {_grader_name(spec)}; paired results on the same problems (McNemar):")
     paired = {}
     if p_ev:
         paired["project: start -> end"] = paired_change(base["correct"], p_ev["correct"])

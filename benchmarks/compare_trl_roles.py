@@ -158,10 +158,43 @@ def _rows(dataset, indices) -> list[dict[str, Any]]:
         d = dataset[i]
         log = d["message_log"]
         ids = [int(t) for m in log for t in m["token_ids"].tolist()]
+        info = d["extra_env_info"]
         out.append({"idx": int(i), "text": "".join(m["content"] for m in log), "ids": ids,
-                    "ground_truth": str(d["extra_env_info"]["ground_truth"]),
-                    "truncated": float(d["loss_multiplier"]) == 0.0})
+                    "ground_truth": str(info["ground_truth"]), "truncated": float(d["loss_multiplier"]) == 0.0,
+                    **{k: info[k] for k in _RG_KEYS if k in info}})
     return out
+
+
+_RG_KEYS = ("rg_dataset", "rg_options", "rg_index")
+
+
+def _grader(cfg) -> dict[str, Any]:
+    """How both sides grade: the math verifier, or reasoning-gym's scorer as the environment reads it."""
+    envs = {c.env_name for c in cfg.data.train_list + cfg.data.validation_list}
+    if envs == {"reasoning_gym"}:
+        from nemo_like.environments.reasoning_gym_environment import ReasoningGymEnvConfig
+
+        opts = ReasoningGymEnvConfig(**cfg.env.get("reasoning_gym", {}))
+        return {"kind": "reasoning_gym", "answer_format": opts.answer_format, "answer_tag": opts.answer_tag,
+                "partial_credit": opts.partial_credit}
+    return {"kind": "math"}
+
+
+def grade(grader: dict[str, Any], text: str, row: dict[str, Any]) -> float:
+    """The reward of a completion ``text`` for a prompt ``row``, as the project's environment gives it."""
+    if grader["kind"] == "math":
+        from nemo_like.environments.math_environment import verify_math_answer
+
+        return verify_math_answer(text, row["ground_truth"])
+    from nemo_like.data.reasoning_gym_tasks import score_reasoning_gym_answer
+    from nemo_like.environments.reasoning_gym_environment import extract_answer
+
+    answer = extract_answer(text, grader["answer_format"], grader["answer_tag"])
+    if answer is None:
+        return 0.0
+    score = min(1.0, max(0.0, float(score_reasoning_gym_answer(row["rg_dataset"], row["rg_options"],
+                                                               row["rg_index"], answer))))
+    return score if grader["partial_credit"] or score >= 1.0 else 0.0
 
 
 def role_prepare(work: Path) -> None:
@@ -175,9 +208,11 @@ def role_prepare(work: Path) -> None:
     g, p, lf = cfg.grpo, cfg.policy, cfg.loss_fn
     problems = []
     for c in cfg.data.train_list + cfg.data.validation_list:
-        if c.env_name != "math" or c.reward_fns:
+        if c.env_name not in ("math", "reasoning_gym") or c.reward_fns:
             problems.append(f"task {c.task_name!r} is graded by {c.env_name!r}"
-                            f"{' with reward_fns' if c.reward_fns else ''}, not the math verifier")
+                            f"{' with reward_fns' if c.reward_fns else ''}, not the math verifier or reasoning-gym's scorer")
+    if len({c.env_name for c in cfg.data.train_list + cfg.data.validation_list}) > 1:
+        problems.append("the tasks are graded by more than one environment; this benchmark grades with one")
     if cfg.env.get("math", {}).get("verifier"):
         problems.append("env.math.verifier is set; this benchmark grades with verify_math_answer only")
     if g.max_rollout_turns != 1:
@@ -211,7 +246,7 @@ def role_prepare(work: Path) -> None:
     spec = {
         "config": req["config"], "overrides": req["overrides"], "user_overrides": req["user_overrides"],
         "steps": req["steps"],
-        "model_path": model_path, "tokenizer_path": tok_path,
+        "model_path": model_path, "tokenizer_path": tok_path, "grader": _grader(cfg),
         "eos_token_id": tok.eos_token_id, "eos_token": tok.eos_token, "pad_token_id": tok.pad_token_id,
         "threads": _training_threads(cfg),
         "hp": {
@@ -338,7 +373,6 @@ def role_trl(work: Path, turns: _Turns) -> None:
     )
     from trl import GRPOConfig, GRPOTrainer
 
-    from nemo_like.environments.math_environment import verify_math_answer
     from nemo_like.models.policy.interfaces import SchedulerConfig
 
     tok = AutoTokenizer.from_pretrained(spec["tokenizer_path"], trust_remote_code=hp["trust_remote_code"])
@@ -352,10 +386,12 @@ def role_trl(work: Path, turns: _Turns) -> None:
     # TRL tokenizes a plain-text prompt itself (tokenizer(text)): check it gets the project's ids.
     trl_ids = tok(text=texts)["input_ids"]
     ids_differ = sum(1 for a, r in zip(trl_ids, rows) if list(a) != r["ids"])
-    dataset = Dataset.from_dict({"prompt": texts, "ground_truth": [r["ground_truth"] for r in rows]})
+    # TRL hands a reward function the dataset's columns: the row's index finds what grades it.
+    dataset = Dataset.from_dict({"prompt": texts, "row": list(range(len(rows)))})
+    grader = spec["grader"]
 
-    def math_accuracy(completions, ground_truth, **_: Any) -> list[float]:
-        return [verify_math_answer(c, t) for c, t in zip(completions, ground_truth)]
+    def math_accuracy(completions, row, **_: Any) -> list[float]:
+        return [grade(grader, c, rows[j]) for c, j in zip(completions, row)]
 
     per_step = hp["optimizer_steps_per_step"]
     # TRL turns activation ("gradient") checkpointing on by default; the project's default is off.
@@ -461,8 +497,6 @@ def _greedy_correct(model_dir: str, spec: dict) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from nemo_like.environments.math_environment import verify_math_answer
-
     hp = spec["hp"]
     tok = AutoTokenizer.from_pretrained(spec["tokenizer_path"], trust_remote_code=hp["trust_remote_code"])
     device = "cuda" if hp.get("gpus_per_worker") and torch.cuda.is_available() else "cpu"
@@ -493,7 +527,7 @@ def _greedy_correct(model_dir: str, spec: dict) -> dict[str, Any]:
                 gen = gen[:gen.index(eos) + 1]
             lengths.append(len(gen))
             text = tok.decode(gen, skip_special_tokens=True)
-            correct.append(verify_math_answer(text, r["ground_truth"]) >= 1.0)
+            correct.append(grade(spec["grader"], text, r) >= 1.0)
     return {"accuracy": sum(correct) / max(1, len(correct)), "correct": correct,
             "response_length_mean": sum(lengths) / max(1, len(lengths)), "seconds": time.perf_counter() - t0}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,14 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
-from nemo_like.data.datasets import DatasetConfig
+from nemo_like.data.datasets import GENERATOR_KINDS, DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
-from nemo_like.environments.registry import env_config_model
+from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
+
+# policy.model_name of a config whose model the bootstrap builds (any name after the colon).
+BOOTSTRAP_MODEL_PREFIX = "bootstrap:"
 
 
 class ConfigError(ValueError):
@@ -168,6 +172,9 @@ class BootstrapConfig(_Strict):
 
 class DataConfig(_Strict):
     max_input_seq_length: int = Field(64, gt=0)
+    # A prompt longer than max_input_seq_length is cut and carries no loss; a run where more than this
+    # share of the prompts would be cut is refused before Ray starts (the rest are counted per step).
+    max_cut_prompt_frac: float = Field(0.02, ge=0, le=1)
     # One dataset, or a list of them for a multi-task run (each routed to its task's environment).
     train: DatasetConfig | list[DatasetConfig]
     validation: DatasetConfig | list[DatasetConfig] | None = None
@@ -192,6 +199,30 @@ class MasterConfig(_Strict):
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
     bootstrap: BootstrapConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_model_turns_bootstrap_off(cls, data: Any) -> Any:
+        """A ``policy.model_name`` of the user's (hub id, folder, ``gguf:``) wins over the embedded
+        tiny model: the bootstrap is turned off, with a printed line, never swapped in silently."""
+        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict):
+            return data
+        boot, name = data.get("bootstrap"), data["policy"].get("model_name")
+        boot_on = boot is not None and (boot.get("enabled", True) if isinstance(boot, dict) else boot.enabled)
+        if not isinstance(name, str):
+            return data
+        if name.startswith(BOOTSTRAP_MODEL_PREFIX):
+            if not boot_on:
+                raise ValueError(f"policy.model_name: {name!r} names the embedded tiny model, which only the "
+                                 "bootstrap builds, and bootstrap is off: set bootstrap.enabled=true, or name "
+                                 "your model (a hub id, a model folder or gguf:<file>)")
+            return data
+        if not boot_on:
+            return data
+        print(f"[nemo_like] policy.model_name={name}: training that model; bootstrap.enabled set to false "
+              "(the embedded tiny model is not built)", file=sys.stderr)
+        boot = dict(boot) if isinstance(boot, dict) else boot.model_dump()
+        return dict(data) | {"bootstrap": boot | {"enabled": False}}
 
     @model_validator(mode="before")
     @classmethod
@@ -257,6 +288,7 @@ class MasterConfig(_Strict):
                     check_model_source(name, key=f"policy.{key}")
         for name, options in self.env.items():
             self._check_env_options(name, options)
+        self._check_env_datasets()
         try:  # the loss and the advantage estimator by name from their registries, as setup builds them
             check_loss_name(self.loss_fn.name)
         except KeyError as e:
@@ -296,6 +328,21 @@ class MasterConfig(_Strict):
         if self.grpo.dynamic_sampling.enabled:
             raise ValueError("grpo.async_rollouts.enabled with grpo.dynamic_sampling.enabled is not supported "
                              "yet: set grpo.dynamic_sampling.enabled=false")
+
+    def _check_env_datasets(self) -> None:
+        """Each dataset against the environment that grades it (``check_dataset``: e.g. a prompt that
+        never asks for the answer format the grader reads), for environments registered now."""
+        for where, datasets in (("train", self.data.train_list), ("validation", self.data.validation_list)):
+            for ds in datasets:
+                check = getattr(get_env_class(ds.env_name), "check_dataset", None) if ds.env_name in ENV_REGISTRY else None
+                if check is None:
+                    continue
+                model = env_config_model(ds.env_name)
+                options = validate_env_config(ds.env_name, model, self.env.get(ds.env_name, {})) if model else None
+                try:
+                    check(ds, options)
+                except ValueError as e:
+                    raise ValueError(f"data.{where} (task {ds.task_name!r}): {e}") from None
 
     @staticmethod
     def _check_env_options(name: str, options: dict[str, Any]) -> None:
@@ -418,10 +465,26 @@ def apply_overrides(cfg: dict, overrides: list[str], schema: type[BaseModel] | N
     return cfg
 
 
+def _readable_loc(loc: tuple) -> str:
+    """``data.train.generator.reasoning_gym.dataset`` -> ``data.train.generator.dataset``: pydantic
+    puts a union's tag or branch type in the location; the user wrote neither."""
+    out: list[str] = []
+    for x in map(str, loc):
+        if x.startswith("function-") or (out and out[-1] == "generator" and x in GENERATOR_KINDS):
+            continue
+        out.append(x)
+    return ".".join(out)
+
+
 def format_validation_error(e: ValidationError) -> str:
+    errors = e.errors()
+    # `x: A | list[A]` reports a bad A twice: as A, and as "not a list". Keep the first where both are.
+    branch = [err for err in errors if any(str(x).startswith("list[") for x in err["loc"])]
+    if len(branch) < len(errors):
+        errors = [err for err in errors if err not in branch]
     parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
+    for err in errors:
+        loc = _readable_loc(err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown config key"

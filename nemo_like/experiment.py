@@ -414,7 +414,8 @@ class GRPOExperiment(LiveExperiment):
         from nemo_like.data.processors import get_processor, math_data_processor
 
         ds_cfg = next(c for c in self.config.data.train_list + self.config.data.validation_list if c.task_name == task)
-        spec = TaskDataSpec(task_name=task, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
+        spec = TaskDataSpec(task_name=task, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt,
+                            few_shot=ds_cfg.few_shot_turns())
         row = {"problem": problem, "expected_answer": ""}
         try:
             proc = get_processor(ds_cfg.processor or ds_cfg.env_name)

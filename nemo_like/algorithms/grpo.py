@@ -25,6 +25,7 @@ from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
 from nemo_like.algorithms.grpo_report import accuracy_summary, per_task_metrics, per_task_summary
 from nemo_like.algorithms.grpo_setup import (
     build_task_dataset,
+    check_prompt_lengths,
     check_resume_compatible,
     dump_config,
     env_config,
@@ -211,6 +212,8 @@ class GRPOTrainer:
             "train/unscorable_frac": float((~scorable).float().mean()),
             "train/advantage_abs_mean": float(advantages.abs().mean()),
             "train/loss_masked_frac": float((train_data["sample_mask"] == 0).float().mean()),
+            # Prompts longer than data.max_input_seq_length: cut, and carry no loss.
+            "train/prompt_cut_frac": float((batch["loss_multiplier"] == 0).float().mean()),
             "train/num_samples": float(rewards.numel()),
             "train/epoch": float(self.sampler.epoch),
         }
@@ -452,27 +455,38 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             except Exception as e:
                 print(f"[nemo_like] cleanup: {e!r}")
 
+    def load_tokenizer() -> Any:
+        tok = AutoTokenizer.from_pretrained(cfg.policy.tokenizer_name or cfg.policy.model_name,
+                                            trust_remote_code=cfg.policy.trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        # Prompts too long for data.max_input_seq_length are cut and carry no loss: counted, and a run
+        # where many would be is refused (before Ray starts, unless the model is the bootstrapped one).
+        check_prompt_lengths(train_cfgs, train_rows, tok, "train", max_in, cfg.data.max_cut_prompt_frac)
+        if val_rows:
+            check_prompt_lengths(val_cfgs, val_rows, tok, "validation", max_in, cfg.data.max_cut_prompt_frac)
+        return tok
+
+    max_in = cfg.data.max_input_seq_length
+    bootstrap = cfg.bootstrap is not None and cfg.bootstrap.enabled
+    if not bootstrap:  # a gguf: file becomes a normal HF folder once (cached); a hub id or folder stays as is
+        cfg.policy.model_name = resolve_model_source(cfg.policy.model_name)
+        if cfg.policy.tokenizer_name:
+            cfg.policy.tokenizer_name = resolve_model_source(cfg.policy.tokenizer_name)
+        tokenizer = load_tokenizer()
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
-        if cfg.bootstrap is not None and cfg.bootstrap.enabled:
+        if bootstrap:
             from nemo_like.models.bootstrap import ensure_base_model
 
             path = ensure_base_model(cfg)
             cfg.policy.model_name, cfg.policy.tokenizer_name = path, path
-        else:  # a gguf: file becomes a normal HF folder once (cached); a hub id or folder stays as is
-            cfg.policy.model_name = resolve_model_source(cfg.policy.model_name)
-            if cfg.policy.tokenizer_name:
-                cfg.policy.tokenizer_name = resolve_model_source(cfg.policy.tokenizer_name)
+            tokenizer = load_tokenizer()
         cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
                                     gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
         resources.append(cluster.shutdown)
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.policy.tokenizer_name or cfg.policy.model_name,
-                                                  trust_remote_code=cfg.policy.trust_remote_code)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        max_in = cfg.data.max_input_seq_length
         train_ds = build_task_dataset(train_cfgs, train_rows, tokenizer, max_in)
         val_ds = build_task_dataset(val_cfgs, val_rows, tokenizer, max_in) if val_rows else None
 

@@ -15,7 +15,8 @@ from nemo_like.config import ConfigError, MasterConfig, schema_field
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS
 
-__all__ = ["dump_config", "check_resume_compatible", "make_train_sampler", "build_task_dataset", "env_config"]
+__all__ = ["dump_config", "check_resume_compatible", "make_train_sampler", "build_task_dataset", "env_config",
+           "check_prompt_lengths"]
 
 
 def dump_config(config: MasterConfig) -> dict:
@@ -92,8 +93,12 @@ def build_task_dataset(ds_cfgs, rows_list, tokenizer, max_seq_length: int, *, sf
 
     parts = []
     for ds_cfg, rows in zip(ds_cfgs, rows_list, strict=True):
-        spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt)
-        proc = get_processor(ds_cfg.processor or ds_cfg.env_name, sft=sft)
+        spec = TaskDataSpec(task_name=ds_cfg.task_name, prompt=ds_cfg.prompt, system_prompt=ds_cfg.system_prompt,
+                            few_shot=ds_cfg.few_shot_turns())
+        try:
+            proc = get_processor(ds_cfg.processor or ds_cfg.env_name, sft=sft)
+        except KeyError as e:
+            raise ConfigError(f"data (task {ds_cfg.task_name!r}).processor: {e.args[0]}") from None
         parts.append(AllTaskProcessedDataset(rows, tokenizer, spec, {ds_cfg.task_name: (spec, proc)},
                                              max_seq_length=max_seq_length))
     return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
@@ -113,3 +118,27 @@ def env_config(cfg: MasterConfig, ds_cfg) -> dict[str, Any]:
                 raise ConfigError(f"data (task {ds_cfg.task_name!r}).reward_fns[{i}].fn: {e}") from e
         out["reward_fns"] = [r.model_dump() for r in ds_cfg.reward_fns]
     return out
+
+
+def check_prompt_lengths(ds_cfgs, rows_list, tokenizer, split: str, max_input: int, max_cut_frac: float,
+                         *, max_rows: int = 2000) -> int:
+    """Count the prompts longer than ``data.max_input_seq_length`` (they would be cut, and carry no
+    loss): raise a ConfigError when more than ``max_cut_frac`` of them are, else print a line when
+    any are. Renders every row up to ``max_rows``, then ``max_rows`` spread evenly. Returns the
+    number cut among the rows rendered."""
+    full = build_task_dataset(ds_cfgs, rows_list, tokenizer, 2**31 - 1)  # nothing cut: true lengths
+    n = len(full)
+    rows = range(n) if n <= max_rows else sorted({i * n // max_rows for i in range(max_rows)})
+    lengths = [int(full[i]["length"]) for i in rows]
+    cut = [x for x in lengths if x > max_input]
+    if not cut:
+        return 0
+    share = len(cut) / len(lengths)
+    what = (f"{len(cut)} of {len(lengths)} {split} prompts{' rendered' if n > max_rows else ''} are longer than "
+            f"data.max_input_seq_length={max_input} tokens (the longest is {max(cut)})")
+    if share > max_cut_frac:
+        raise ConfigError(f"{what}; cut prompts carry no loss, and {share:.1%} is over data.max_cut_prompt_frac="
+                          f"{max_cut_frac:g}. Raise data.max_input_seq_length to {max(cut)} (and "
+                          "policy.max_total_sequence_length with it), or shorten the prompt template")
+    print(f"[nemo_like] {what}: they are cut and carry no loss (train/prompt_cut_frac counts them per step)")
+    return len(cut)

@@ -13,12 +13,13 @@ import os
 import random
 import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import datasets
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from nemo_like.data.errors import DataError  # re-exported: callers catch nemo_like.data.datasets.DataError
+from nemo_like.data.reasoning_gym_tasks import ReasoningGymConfig, generate_reasoning_gym_dataset
 
 OPERATORS = ("+", "-", "*")
 VALIDATION_PERCENT = 10  # share of the problem space held out for the validation split
@@ -163,12 +164,25 @@ class CodeTasksGeneratorConfig(BaseModel):
     templates: list[str] | None = None  # None: every template
 
 
-GeneratorConfig = ArithmeticConfig | ToolTasksGeneratorConfig | CodeTasksGeneratorConfig
+def _generator_kind(value: Any) -> str | None:
+    """Which generator a config is, by its ``kind`` (``arithmetic`` when left out): errors then name
+    that generator's keys only, not every generator's."""
+    return value.get("kind", "arithmetic") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+GENERATOR_KINDS = ("arithmetic", "tool", "code", "reasoning_gym")
+GeneratorConfig = Annotated[
+    Annotated[ArithmeticConfig, Tag("arithmetic")] | Annotated[ToolTasksGeneratorConfig, Tag("tool")]
+    | Annotated[CodeTasksGeneratorConfig, Tag("code")] | Annotated[ReasoningGymConfig, Tag("reasoning_gym")],
+    Discriminator(_generator_kind, custom_error_type="generator_kind",
+                  custom_error_message=f"generator.kind must be one of {', '.join(GENERATOR_KINDS)}")]
 
 
 def _generate(gen: GeneratorConfig) -> datasets.Dataset:
     if isinstance(gen, ArithmeticConfig):
         return generate_arithmetic_dataset(gen)
+    if isinstance(gen, ReasoningGymConfig):
+        return generate_reasoning_gym_dataset(gen)
     if isinstance(gen, ToolTasksGeneratorConfig):
         from nemo_like.data.tool_tasks import generate_tool_dataset
 
@@ -197,6 +211,16 @@ class RewardFnConfig(BaseModel):
     name: str | None = None
 
 
+class FewShotExample(BaseModel):
+    """A worked example shown before the question as an earlier user turn (``prompt`` applied to
+    ``problem``) and the assistant's ``response``: how a small chat model learns the answer format."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    problem: str
+    response: str
+
+
 class DatasetConfig(BaseModel):
     """Where a dataset comes from: a local file or hub dataset (``path``) or the arithmetic ``generator``."""
 
@@ -213,6 +237,7 @@ class DatasetConfig(BaseModel):
     processor: str | None = None  # data processor by name (see data.processors); None: same as env_name
     prompt: str | None = None  # format string with exactly one "{}"
     system_prompt: str | None = None
+    few_shot: list[FewShotExample] | None = None  # worked examples, as chat turns before the question
     # Plain callables as the grader (TRL style): graded by the "reward_fn" environment.
     reward_fns: list[RewardFnConfig] | None = None
     # Share of GRPO prompts drawn from this dataset, relative to the other train datasets' (set it
@@ -234,6 +259,9 @@ class DatasetConfig(BaseModel):
                 f"for literal braces), got {prompt!r}"
             )
         return prompt
+
+    def few_shot_turns(self) -> list[dict[str, str]] | None:
+        return [e.model_dump() for e in self.few_shot] if self.few_shot else None
 
     @model_validator(mode="after")
     def _check_source(self) -> DatasetConfig:

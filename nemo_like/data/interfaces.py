@@ -29,3 +29,6 @@ class TaskDataSpec:
     task_name: str
     prompt: str | None = None  # python format string with one "{}" for the problem; None = raw problem
     system_prompt: str | None = None
+    # Worked examples shown as earlier chat turns, each {"problem": ..., "response": ...}: the user turn
+    # is ``prompt`` applied to the example's problem, the assistant turn its response.
+    few_shot: list[dict[str, str]] | None = None

@@ -58,6 +58,9 @@ def _prompt_chat(datum: Mapping[str, Any], spec: TaskDataSpec, idx: int) -> list
     chat: list[dict[str, str]] = []
     if spec.system_prompt:
         chat.append({"role": "system", "content": spec.system_prompt})
+    for shot in spec.few_shot or ():
+        chat.append({"role": "user", "content": spec.prompt.format(shot["problem"]) if spec.prompt else shot["problem"]})
+        chat.append({"role": "assistant", "content": shot["response"]})
     chat.append({"role": "user", "content": spec.prompt.format(problem) if spec.prompt else problem})
     return chat
 
@@ -275,6 +278,8 @@ def _check_pair(name: str, pair: Any) -> None:
 # processor never leaves the previous one's SFT variant behind.
 PROCESSOR_REGISTRY: Registry[ProcessorPair] = Registry("data processor", check=_check_pair, builtins={
     "math": (math_data_processor, _math_sft),
+    # reasoning-gym rows are prompt-only like math rows; their extra columns reach the environment.
+    "reasoning_gym": (math_data_processor, _math_sft),
     "code": ("nemo_like.data.code_tasks.code_data_processor", _code_sft),
     "tool": ("nemo_like.data.tool_tasks.tool_data_processor", "nemo_like.data.tool_tasks.tool_sft_data_processor"),
 })

@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
-from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
+from nemo_like.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    last_assistant_text,
+    normalize_step_inputs,
+)
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxResult
 from nemo_like.environments.sandbox_memory import check_memory_split
 from nemo_like.environments.sandbox_mounts import check_extra_ro_binds
@@ -200,15 +205,13 @@ class _BadItem(Exception):
 
 
 def _last_assistant_content(message_log: Any) -> str:
-    for message in reversed(message_log):
-        if not isinstance(message, dict):
-            raise _BadItem(f"message is a {type(message).__name__}, not a dict")
-        if message.get("role") == "assistant":
-            content = message.get("content")
-            if not isinstance(content, str):
-                raise _BadItem(f"assistant content is a {type(content).__name__}")
-            return content
-    raise _BadItem("no assistant message")
+    try:
+        content = last_assistant_text(message_log)
+    except TypeError as e:
+        raise _BadItem(str(e)) from None
+    if content is None:
+        raise _BadItem("no assistant message")
+    return content
 
 
 def _job(message_log: Any, meta: Any) -> tuple[str, list[str]]:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only; see the module docstring for why torch is
 
     from nemo_like.data.interfaces import LLMMessageLogType
 
-__all__ = ["EnvironmentReturn", "EnvironmentInterface", "normalize_step_inputs"]
+__all__ = ["EnvironmentReturn", "EnvironmentInterface", "normalize_step_inputs", "last_assistant_text"]
 
 
 class EnvironmentReturn(NamedTuple):
@@ -48,6 +48,21 @@ def normalize_step_inputs(message_log_batch: Any, metadata: Any) -> tuple[list, 
     return batch, (meta + [None] * n)[:n]
 
 
+def last_assistant_text(message_log: Any) -> str | None:
+    """The content of the last assistant message of a log, None when it has none. Raises
+    ``TypeError`` on a malformed log (a message that is not a dict, content that is not a string):
+    an environment grades such a sample 0 and counts it."""
+    for message in reversed(message_log):
+        if not isinstance(message, dict):
+            raise TypeError(f"message is a {type(message).__name__}, not a dict")
+        if message.get("role") == "assistant":
+            content = message.get("content")
+            if not isinstance(content, str):
+                raise TypeError(f"assistant content is a {type(content).__name__}, not a str")
+            return content
+    return None
+
+
 class EnvironmentInterface(abc.ABC):
     """One task's environment: grades (and for multi-turn tasks answers) the model's messages."""
 
@@ -62,6 +77,13 @@ class EnvironmentInterface(abc.ABC):
     ) -> EnvironmentReturn:
         """Consume each sample's message log (plus its hidden ``extra_env_info`` in ``metadata``)
         and return observations, rewards and termination flags for the whole batch."""
+
+    @classmethod  # noqa: B027 - optional hook
+    def check_dataset(cls, ds_cfg: Any, options: Any) -> None:
+        """Called before Ray starts for each dataset this environment grades, with the dataset's
+        config and the environment's parsed ``config_model`` options (None without one). Raise
+        ``ValueError`` naming what is wrong with the pairing (e.g. a prompt that does not ask for
+        the answer format the grader reads); the message is prefixed with the dataset's task."""
 
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict]:
         """Hook run once per step on the full batch (e.g. task-level metrics); identity by default."""

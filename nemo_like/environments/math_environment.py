@@ -19,7 +19,12 @@ from pydantic import Field, field_validator
 
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
 from nemo_like.environments.grader_pool import GraderPool, resolve_callable
-from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
+from nemo_like.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    last_assistant_text,
+    normalize_step_inputs,
+)
 from nemo_like.environments.math_parser import AnswerRejected, parse_answer, rational_value, symbolically_equal
 
 if TYPE_CHECKING:
@@ -179,18 +184,6 @@ class _BadItem(Exception):
     pass
 
 
-def _last_assistant_content(message_log: Any) -> str | None:
-    for message in reversed(message_log):
-        if not isinstance(message, dict):
-            raise _BadItem(f"message is a {type(message).__name__}, not a dict")
-        if message.get("role") == "assistant":
-            content = message.get("content")
-            if not isinstance(content, str):
-                raise _BadItem(f"assistant content is a {type(content).__name__}")
-            return content
-    return None
-
-
 def _ground_truth(meta: Any) -> str:
     truth = meta.get("ground_truth") if isinstance(meta, dict) else None
     if isinstance(truth, (int, float)) and not isinstance(truth, bool):
@@ -240,7 +233,7 @@ class MathEnvironment(EnvironmentInterface):
             job_rows: list[int] = []
             for i in range(n):
                 try:
-                    response = _last_assistant_content(batch[i])
+                    response = last_assistant_text(batch[i])
                     truth = _ground_truth(meta[i])
                     if response is None:
                         raise _BadItem("no assistant message")

@@ -35,6 +35,7 @@ ENV_REGISTRY: Registry[type] = Registry("environment", check=_check_env_class, b
     "code": "nemo_like.environments.code_environment.CodeEnvironment",
     "tool": "nemo_like.environments.tool_environment.ToolEnvironment",
     "reward_fn": "nemo_like.environments.reward_fn_environment.RewardFnEnvironment",
+    "reasoning_gym": "nemo_like.environments.reasoning_gym_environment.ReasoningGymEnvironment",
 })
 
 

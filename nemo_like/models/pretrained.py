@@ -309,6 +309,10 @@ def check_model_source(name: str, *, key: str = DEFAULT_KEY) -> None:
         return
     p = Path(name).expanduser()
     if not p.exists():
+        # A hub id is "name" or "org/name"; anything else that reads as a path is a missing folder.
+        if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name:
+            raise ValueError(f"{key}: {p}: no such model folder (a hub id is 'org/name'; a local model is a "
+                             "save_pretrained folder with config.json, or gguf:<file>)")
         return  # a hub id: resolved (and checked) by transformers
     if p.is_file():
         hint = f" (a GGUF file: write {GGUF_PREFIX}{name})" if p.suffix.lower() == ".gguf" else ""

@@ -164,3 +164,29 @@ def test_env_options_are_checked_against_the_environment_config_model(own_env_re
         load_config(TINY, ["++env.typed.round=2"])
     # Not registered (yet): nothing to check it against, so the options pass as they are.
     assert load_config(TINY, ["++env.later.x=1"]).env["later"] == {"x": 1}
+
+
+def test_your_own_model_turns_the_bootstrap_off_out_loud(tmp_path, capsys):
+    folder = tmp_path / "my_model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    cfg = load_config(TINY, [f"policy.model_name={folder}"])
+    assert cfg.bootstrap is not None and not cfg.bootstrap.enabled and cfg.policy.model_name == str(folder)
+    err = capsys.readouterr().err
+    assert f"policy.model_name={folder}: training that model; bootstrap.enabled set to false" in err
+    # The default names the bootstrapped model and builds it; nothing printed.
+    assert load_config(TINY).bootstrap.enabled and "bootstrap" not in capsys.readouterr().err
+    # The tiny model's placeholder with the bootstrap off is an error that says what to do.
+    with pytest.raises(ConfigError, match="'bootstrap:tiny-math' names the embedded tiny model, .* set "
+                                          "bootstrap.enabled=true, or name your model"):
+        load_config(TINY, ["bootstrap.enabled=false"])
+
+
+def test_own_model_on_the_cli_trains_that_model_not_the_tiny_one(tmp_path):
+    # A missing model folder now fails as that folder (before Ray), proving the bootstrap did not replace it.
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"),
+                           f"policy.model_name={tmp_path / 'nope'}", f"logger.log_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "bootstrap.enabled set to false" in proc.stderr
+    assert f"error: invalid config: policy.model_name: {tmp_path / 'nope'}" in proc.stderr

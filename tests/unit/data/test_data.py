@@ -416,3 +416,19 @@ def test_pipeline_dataset_to_flat_tokens(tok):
         assert (flat["token_ids"][i, lengths[i] :] == tok.pad_token_id).all()
         assert batch["extra_env_info"][i]["ground_truth"] == ds[i]["expected_answer"]
     assert flat["token_loss_mask"].sum() == 0  # prompts carry no loss
+
+
+def test_few_shot_examples_are_earlier_chat_turns(tok):
+    shots = [{"problem": "1+1=", "response": "\\boxed{2}"}]
+    spec = TaskDataSpec(task_name="math", prompt=PROMPT, system_prompt=SYSTEM, few_shot=shots)
+    datum = math_data_processor({"problem": "12+30=", "expected_answer": "42"}, spec, tok, 256, 0)
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT.format("1+1=")},
+            {"role": "assistant", "content": "\\boxed{2}"}, {"role": "user", "content": PROMPT.format("12+30=")}]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert "".join(m["content"] for m in datum["message_log"]) == rendered
+    assert torch.cat([m["token_ids"] for m in datum["message_log"]]).tolist() == ids_of(tok, rendered)
+    # From the dataset config: typed, and unknown keys refused.
+    cfg = DatasetConfig(generator={"split": "train", "num_samples": 2, "seed": 0}, few_shot=shots)
+    assert cfg.few_shot_turns() == shots
+    with pytest.raises(pydantic.ValidationError, match="answer"):
+        DatasetConfig(generator={"split": "train", "num_samples": 2, "seed": 0}, few_shot=[{"problem": "1", "answer": "2"}])
