@@ -46,7 +46,7 @@ DEFAULT_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 TRL_PIN = "1.16.0"
 HOW_TO_RUN = f"uv run --with trl=={TRL_PIN} benchmarks/compare_trl.py [--steps 60] [key=value ...]"
 
-from compare_trl_roles import _read, _summary, _trl_loss_type, _trl_scale_rewards, _write  # noqa: E402
+from compare_trl_roles import _read, _summary, _trl_loss_type, _trl_scale_rewards, _write, trl_micro_batches  # noqa: E402
 
 
 # ================================================================================================
@@ -217,14 +217,15 @@ def _settings_table(spec: dict, proj: dict | None, trl_res: dict | None) -> str:
     reuse_s = ("the sampler's (reused; recomputed every "
                f"{hp['logprob_check_period']} steps)" if reuse in (True, "auto") and hp["precision"] == "float32"
                else "recomputed by a forward pass")
+    micro, accum = trl_micro_batches(hp)
     rows = [
         ["model", spec["model_path"], "same folder"],
         ["prompts per GRPO step", hp["num_prompts_per_step"], "same prompts, same order (shuffle_dataset=False)"],
         ["completions per prompt (G)", hp["num_generations"], f"num_generations={hp['num_generations']}"],
         ["completions per step", hp["completions_per_step"], f"generation_batch_size={hp['completions_per_step']}"],
         ["optimizer steps per GRPO step", f"{per} (train_global_batch_size={hp['train_global_batch_size']})",
-         f"steps_per_generation={per}, per_device_train_batch_size={hp['train_global_batch_size']}, grad_accum=1"],
-        ["micro-batch (rows per forward)", hp["train_micro_batch_size"], hp["train_global_batch_size"]],
+         f"steps_per_generation={per * accum}, per_device_train_batch_size={micro}, grad_accum={accum}"],
+        ["micro-batch (rows per forward)", hp["train_micro_batch_size"], micro],
         ["samples in each optimizer step", "contiguous whole groups", "random half of the generation (TRL shuffles)"],
         ["max new tokens", hp["max_new_tokens"], f"max_completion_length={hp['max_new_tokens']}"],
         ["prompt: max tokens / truncated", f"{hp['max_input_seq_length']} / {spec['prompts_truncated']}",

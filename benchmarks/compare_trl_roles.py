@@ -180,6 +180,13 @@ def _grader(cfg) -> dict[str, Any]:
     return {"kind": "math"}
 
 
+def trl_micro_batches(hp: dict) -> tuple[int, int]:
+    """TRL's (per_device_train_batch_size, gradient_accumulation_steps): the config's micro-batch size
+    when it divides the global batch, else the whole global batch in one pass."""
+    gbs, mbs = hp["train_global_batch_size"], hp["train_micro_batch_size"]
+    return (mbs, gbs // mbs) if gbs % mbs == 0 else (gbs, 1)
+
+
 def grade(grader: dict[str, Any], text: str, row: dict[str, Any]) -> float:
     """The reward of a completion ``text`` for a prompt ``row``, as the project's environment gives it."""
     if grader["kind"] == "math":
@@ -394,6 +401,7 @@ def role_trl(work: Path, turns: _Turns) -> None:
         return [grade(grader, c, rows[j]) for c, j in zip(completions, row)]
 
     per_step = hp["optimizer_steps_per_step"]
+    micro, accum = trl_micro_batches(hp)
     # TRL turns activation ("gradient") checkpointing on by default; the project's default is off.
     # Newer transformers name it activation_checkpointing (the old name still works, with a warning).
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -402,9 +410,11 @@ def role_trl(work: Path, turns: _Turns) -> None:
     args = GRPOConfig(
         output_dir=str(work / "trl_out"),
         # batching: one generation of prompts x G completions, `per_step` optimizer steps over it
-        per_device_train_batch_size=hp["train_global_batch_size"],
-        gradient_accumulation_steps=1,
-        steps_per_generation=per_step,
+        # The config's micro-batches (a whole global batch in one forward pass does not fit in memory
+        # with a real vocabulary: SmolLM2's 64 x 115 x 49,152 float32 logits are 1.4 GB per copy).
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        steps_per_generation=per_step * accum,
         num_generations=hp["num_generations"],
         num_iterations=1,
         max_steps=spec["steps"] * per_step,

@@ -205,10 +205,14 @@ class MasterConfig(_Strict):
     def _own_model_turns_bootstrap_off(cls, data: Any) -> Any:
         """A ``policy.model_name`` of the user's (hub id, folder, ``gguf:``) wins over the embedded
         tiny model: the bootstrap is turned off, with a printed line, never swapped in silently."""
-        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict):
+        if not isinstance(data, dict):
             return data
-        boot, name = data.get("bootstrap"), data["policy"].get("model_name")
-        boot_on = boot is not None and (boot.get("enabled", True) if isinstance(boot, dict) else boot.enabled)
+
+        def get(section: Any, key: str, default: Any = None) -> Any:  # a YAML mapping or a built model
+            return section.get(key, default) if isinstance(section, dict) else getattr(section, key, default)
+
+        boot, name = data.get("bootstrap"), get(data.get("policy"), "model_name")
+        boot_on = boot is not None and bool(get(boot, "enabled", True))
         if not isinstance(name, str):
             return data
         if name.startswith(BOOTSTRAP_MODEL_PREFIX):

@@ -14,10 +14,10 @@ the generator's own ``score_answer`` on the very entry (metadata included) the q
 Train and validation never overlap: a question's split is decided by a hash of its text (as for the
 project's arithmetic generator), so two configs with any seeds agree on it.
 
-reasoning-gym imports pycosat (a C extension with no wheels) for one generator family; the project
-resolves reasoning-gym without it (``[[tool.uv.dependency-metadata]]`` in pyproject.toml), and
-:func:`import_reasoning_gym` stands in a module that names the missing package only if such a
-generator is used.
+reasoning-gym imports three packages published without wheels (``SOURCE_ONLY_DEPENDENCIES``) that four
+of its generators use; the project installs it without them (``[[tool.uv.dependency-metadata]]`` in
+pyproject.toml), and :func:`import_reasoning_gym` stands in modules that name the missing package
+only if such a generator is used.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.data.errors import DataError
 
-__all__ = ["ReasoningGymConfig", "generate_reasoning_gym_dataset", "import_reasoning_gym", "reasoning_gym_entry",
+__all__ = ["SOURCE_ONLY_DEPENDENCIES", "ReasoningGymConfig", "generate_reasoning_gym_dataset", "import_reasoning_gym", "reasoning_gym_entry",
            "reasoning_gym_dataset_names", "score_reasoning_gym_answer", "split_of_question"]
 
 VALIDATION_PERCENT = 10  # share of each generator's questions held out for the validation split
@@ -46,24 +46,34 @@ VALIDATION_PERCENT = 10  # share of each generator's questions held out for the 
 _OWNED_OPTIONS = ("seed", "size")
 
 
-def _pycosat_stand_in() -> types.ModuleType:
-    mod = types.ModuleType("pycosat")
-    mod.__spec__ = importlib.machinery.ModuleSpec("pycosat", None)  # find_spec() works on it
+# Requirements of reasoning-gym published as source archives only, left out of the install (see
+# pyproject.toml), with the generators that use them.
+SOURCE_ONLY_DEPENDENCIES = {"pycosat": ["zebra_puzzles"], "cellpylib": ["game_of_life", "game_of_life_halting"],
+                            "zss": ["codeio"]}
 
-    def missing(*_a: Any, **_k: Any) -> Any:
-        raise ImportError("this reasoning-gym generator needs the `pycosat` package, a C extension with no "
-                          "wheels: `uv pip install pycosat` (needs a C compiler), or pick another dataset")
 
-    mod.solve = mod.itersolve = missing  # type: ignore[attr-defined]
-    mod.__nemo_like_stand_in__ = True  # type: ignore[attr-defined]
-    return mod
+class _Missing(types.ModuleType):
+    """Stands in for a package reasoning-gym imports at import time but only a few generators use:
+    importing works, using it raises an ImportError that names the package."""
+
+    __nemo_like_stand_in__ = True
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        users = " and ".join(SOURCE_ONLY_DEPENDENCIES.get(self.__name__, []))
+        raise ImportError(f"this generator needs the `{self.__name__}` package (used by reasoning-gym's {users}), "
+                          f"which is published as source only and is not installed with nemo_like: "
+                          f"`uv pip install {self.__name__}`, or pick another dataset")
 
 
 def import_reasoning_gym() -> Any:
     """``import reasoning_gym``, with a clear error when it is not installed."""
-    if "pycosat" not in sys.modules and importlib.util.find_spec("pycosat") is None:
-        # reasoning_gym imports every generator module at import time; only zebra puzzles use pycosat.
-        sys.modules.setdefault("pycosat", _pycosat_stand_in())
+    for name in SOURCE_ONLY_DEPENDENCIES:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            stand_in = _Missing(name)
+            stand_in.__spec__ = importlib.machinery.ModuleSpec(name, None)  # find_spec() works on it
+            sys.modules[name] = stand_in
     try:
         import reasoning_gym
     except ImportError as e:

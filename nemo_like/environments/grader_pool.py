@@ -62,7 +62,10 @@ def _worker_main() -> None:
     fn_path, memory_mb, warm = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     fn = resolve_callable(fn_path)
     for name in warm:  # import now so the first check's time limit does not pay for it
-        importlib.import_module(name)
+        module, _, setup = name.partition(":")  # "pkg.mod:fn": also call fn() (an import that needs set-up)
+        imported = importlib.import_module(module)
+        if setup:
+            getattr(imported, setup)()
     if memory_mb > 0:
         import resource
 
@@ -133,6 +136,8 @@ class GraderPool:
 
     ``run(jobs)`` returns one ``(score, status)`` per job, status "ok", "timeout" or "error"
     (timeouts and errors score 0.0). Workers start lazily on the first ``run`` and are reused.
+    ``warm_imports`` are imported by each worker at start-up, outside any time limit (``"pkg.mod:fn"``
+    also calls ``fn()``, for an import that needs set-up first).
     """
 
     def __init__(
@@ -225,8 +230,25 @@ class GraderPool:
                     ws[i] = self._spawn(i)
         return [r if r is not None else (0.0, "error") for r in results]
 
+    def run_or_fail(self, jobs: Sequence[Sequence[Any]]) -> list[tuple[float, str]]:
+        """``run(jobs)`` that never raises: when the pool itself fails (e.g. it cannot fork), every job
+        is an "error" scoring 0 and the workers are started afresh on the next call."""
+        if not jobs:
+            return []
+        try:
+            return self.run(jobs)
+        except Exception:
+            self.shutdown()
+            return [(0.0, "error")] * len(jobs)
+
     def shutdown(self) -> None:
         for i, w in enumerate(self.workers):
             if w is not None:
                 w.kill()
             self.workers[i] = None
+
+    def __del__(self) -> None:  # an environment dropped without shutdown() leaves no worker behind
+        try:
+            self.shutdown()
+        except Exception:
+            pass

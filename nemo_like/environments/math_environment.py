@@ -250,16 +250,10 @@ class MathEnvironment(EnvironmentInterface):
                         continue
                 jobs.append((response, truth))
                 job_rows.append(i)
-            if jobs:
-                try:
-                    outcomes = self._pool.run(jobs)
-                except Exception:  # e.g. cannot fork: score 0, keep training, retry next step
-                    self._pool.shutdown()
-                    outcomes = [(0.0, "error")] * len(jobs)
-                for i, (score, status) in zip(job_rows, outcomes):
-                    rewards[i] = score
-                    timeouts += status == "timeout"
-                    failures += status == "error"
+            for i, (score, status) in zip(job_rows, self._pool.run_or_fail(jobs)):
+                rewards[i] = score
+                timeouts += status == "timeout"
+                failures += status == "error"
         except Exception:  # last line of defence: step must never raise into the trainer
             rewards = [0.0] * n
             failures = n
@@ -285,9 +279,3 @@ class MathEnvironment(EnvironmentInterface):
 
     def shutdown(self) -> None:
         self._pool.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self._pool.shutdown()
-        except Exception:
-            pass

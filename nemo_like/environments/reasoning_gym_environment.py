@@ -8,7 +8,8 @@ format the prompt states (``answer_format``: the last ``\\boxed{...}``, or the l
 extracted scores 0; a scorer that raises, hangs or runs out of memory scores 0 and is counted
 (``num_failures``, ``num_timeouts``): scoring runs in grader subprocesses with a time limit.
 
-This module imports neither torch nor reasoning_gym at import time (grader processes import it).
+This module imports neither torch nor reasoning_gym at import time (grader processes import it; they
+import reasoning_gym once, at start-up, through ``warm_imports``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from nemo_like.data.reasoning_gym_tasks import score_reasoning_gym_answer
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
 from nemo_like.environments.grader_pool import GraderPool
 from nemo_like.environments.interfaces import (
@@ -52,14 +54,15 @@ class ReasoningGymEnvConfig(EnvConfig):
 
 
 def extract_answer(response: str, answer_format: str = "boxed", tag: str = "answer") -> str | None:
-    """The final answer in ``response`` or None. The last box or tag decides (an earlier one is
-    never a fallback: that would reward writing several candidates)."""
+    """The final answer in ``response`` or None. The last box or opening tag decides, even when it
+    is never closed (an earlier one is no fallback: that would reward writing several candidates).
+    ``boxed`` reads as the math environment does (a GSM8K-style ``#### answer`` line also counts)."""
     if answer_format == "boxed":
         answer = extract_final_answer(response)
     else:
-        end = response.rfind(f"</{tag}>")
-        start = response.rfind(f"<{tag}>", 0, end) if end >= 0 else -1
-        answer = response[start + len(tag) + 2 : end] if start >= 0 else None
+        start = response.rfind(f"<{tag}>")
+        end = response.find(f"</{tag}>", start) if start >= 0 else -1
+        answer = response[start + len(tag) + 2 : end] if end >= 0 else None
     if answer is None:
         return None
     answer = answer.strip()
@@ -69,8 +72,6 @@ def extract_answer(response: str, answer_format: str = "boxed", tag: str = "answ
 def score_reasoning_gym(answer: str, dataset: str, options_json: str, index: int) -> float:
     """The generator's own score of ``answer`` on the entry ``dataset[index]``, clipped to [0, 1]
     (runs in a grader process)."""
-    from nemo_like.data.reasoning_gym_tasks import score_reasoning_gym_answer
-
     return min(1.0, max(0.0, float(score_reasoning_gym_answer(dataset, options_json, int(index), answer))))
 
 
@@ -105,7 +106,7 @@ class ReasoningGymEnvironment(EnvironmentInterface):
         self.cfg = validate_env_config("reasoning_gym", ReasoningGymEnvConfig, config)
         c = self.cfg.model_dump(exclude=set(TRAINER_SIDE_KEYS))
         self._pool = GraderPool(_SCORER, c["num_workers"], float(c["timeout_s"]), memory_limit_mb=c["memory_limit_mb"],
-                                warm_imports=("nemo_like.data.reasoning_gym_tasks",))
+                                warm_imports=("nemo_like.data.reasoning_gym_tasks:import_reasoning_gym",))
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
         batch, meta = normalize_step_inputs(message_log_batch, metadata)
@@ -130,16 +131,10 @@ class ReasoningGymEnvironment(EnvironmentInterface):
                     continue
                 jobs.append((answer, *key))
                 rows.append(i)
-            if jobs:
-                try:
-                    outcomes = self._pool.run(jobs)
-                except Exception:  # e.g. cannot fork: score 0, keep training, retry next step
-                    self._pool.shutdown()
-                    outcomes = [(0.0, "error")] * len(jobs)
-                for i, (score, status) in zip(rows, outcomes):
-                    rewards[i] = score if self.cfg.partial_credit or score >= 1.0 else 0.0
-                    timeouts += status == "timeout"
-                    failures += status == "error"
+            for i, (score, status) in zip(rows, self._pool.run_or_fail(jobs)):
+                rewards[i] = score if self.cfg.partial_credit or score >= 1.0 else 0.0
+                timeouts += status == "timeout"
+                failures += status == "error"
         except Exception:  # last line of defence: step must never raise into the trainer
             rewards, failures = [0.0] * n, n
 
@@ -159,10 +154,4 @@ class ReasoningGymEnvironment(EnvironmentInterface):
 
     def shutdown(self) -> None:
         self._pool.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self._pool.shutdown()
-        except Exception:
-            pass
 

@@ -319,6 +319,10 @@ def check_model_source(name: str, *, key: str = DEFAULT_KEY) -> None:
         raise ValueError(f"{key}: {p} is a file, not a model folder with config.json{hint}")
     if not (p / "config.json").is_file():
         raise ValueError(f"{key}: {p} is not a model folder: it has no config.json (a save_pretrained folder is needed)")
+    try:
+        json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{key}: {p / 'config.json'}: not a readable JSON model config ({e})") from None
 
 
 # ------------------------------------------------------------------------------------- resolving

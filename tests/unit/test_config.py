@@ -190,3 +190,15 @@ def test_own_model_on_the_cli_trains_that_model_not_the_tiny_one(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "bootstrap.enabled set to false" in proc.stderr
     assert f"error: invalid config: policy.model_name: {tmp_path / 'nope'}" in proc.stderr
+
+
+def test_own_model_wins_in_a_config_built_from_objects(tmp_path, capsys):
+    from nemo_like.config import BootstrapConfig, MasterConfig
+    from nemo_like.models.policy.interfaces import PolicyConfig
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    tiny = load_config(TINY)
+    cfg = MasterConfig(policy=PolicyConfig(model_name=str(folder)), data=tiny.data, bootstrap=BootstrapConfig())
+    assert not cfg.bootstrap.enabled and "bootstrap.enabled set to false" in capsys.readouterr().err

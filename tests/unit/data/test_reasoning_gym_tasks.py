@@ -86,14 +86,15 @@ def test_too_few_distinct_questions_is_a_data_error():
         generate_reasoning_gym_dataset(gen("validation", 50, options=tiny))
 
 
-def test_the_zebra_generator_names_the_missing_package():
+@pytest.mark.parametrize(("dataset", "package"), [("zebra_puzzles", "pycosat"), ("game_of_life", "cellpylib")])
+def test_a_generator_whose_package_is_left_out_names_it(dataset, package):
     import sys
 
     import_reasoning_gym()
-    if not getattr(sys.modules["pycosat"], "__nemo_like_stand_in__", False):
-        pytest.skip("pycosat is installed here")
-    with pytest.raises(DataError, match="needs the `pycosat` package"):
-        generate_reasoning_gym_dataset(gen(n=2, dataset="zebra_puzzles", options={}))
+    if not getattr(sys.modules[package], "__nemo_like_stand_in__", False):
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(DataError, match=f"needs the `{package}` package .* `uv pip install {package}`"):
+        generate_reasoning_gym_dataset(gen(n=2, dataset=dataset, options={}))
 
 
 def _config(train: list[dict], **extra) -> dict:

@@ -39,6 +39,7 @@ def test_extraction_takes_the_last_box_or_tag_only():
     assert extract_answer("\\boxed{\\frac{1}{2}}", "boxed") == "\\frac{1}{2}"
     assert extract_answer("\\boxed{7} then \\boxed{8", "boxed") is None  # an unclosed last box decides
     assert extract_answer("<answer>5</answer> <answer>6</answer>", "tag") == "6"
+    assert extract_answer("<answer>5</answer> <answer>6", "tag") is None  # so does an unclosed last tag
     assert extract_answer("<sol>5</sol>", "tag", "sol") == "5"
     assert extract_answer("<answer>5", "tag") is None and extract_answer("the answer is 5", "boxed") is None
     assert extract_answer("<answer> </answer>", "tag") is None

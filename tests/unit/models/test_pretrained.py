@@ -328,3 +328,15 @@ def test_a_stale_half_written_folder_is_never_loaded(converted, tmp_path):
     (bogus_root / "pretrained" / folder.name).mkdir(parents=True)
     with pytest.raises(RuntimeError, match="exists but is not a converted model"):
         resolve_model_source(SMOLLM2, cache_dir=bogus_root)
+
+
+def test_missing_or_corrupt_model_folder_is_one_line_naming_the_key(tmp_path):
+    from nemo_like.models.pretrained import check_model_source
+
+    with pytest.raises(ValueError, match=rf"^policy.model_name: {tmp_path / 'gone'}: no such model folder"):
+        check_model_source(str(tmp_path / "gone"), key="policy.model_name")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"^policy.model_name: .*bad/config.json: not a readable JSON model config"):
+        check_model_source(str(tmp_path / "bad"), key="policy.model_name")
+    check_model_source("Qwen/Qwen2.5-0.5B", key="policy.model_name")  # a hub id passes (checked when loaded)
