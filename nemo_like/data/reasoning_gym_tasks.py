@@ -179,6 +179,9 @@ def generate_reasoning_gym_dataset(cfg: ReasoningGymConfig) -> Any:
             entry = ds[i]
         except ImportError as e:
             raise DataError(f"reasoning_gym generator {cfg.dataset!r}: {e}") from e
+        except Exception as e:  # a generator bug on one seed: name it, not a traceback
+            raise DataError(f"reasoning_gym generator {cfg.dataset!r} (options {cfg.options}) failed on entry {i}: "
+                            f"{type(e).__name__}: {e}") from e
         q = entry["question"]
         if q in seen or split_of_question(q) != cfg.split:
             continue
