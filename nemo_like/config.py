@@ -170,6 +170,16 @@ class BootstrapConfig(_Strict):
     num_workers: int | None = Field(None, gt=0)
 
 
+def _is_bootstrapped_model(name: str, cache_dir: str | None) -> bool:
+    """``name`` is a model the bootstrap built (a folder in its cache, as a saved run's config
+    records it once setup resolved the placeholder): resuming that run keeps the bootstrap on."""
+    cache = Path(cache_dir or BootstrapConfig.model_fields["cache_dir"].get_default(call_default_factory=True))
+    try:
+        return Path(name).expanduser().resolve().parent == cache.expanduser().resolve()
+    except (OSError, ValueError):
+        return False
+
+
 class DataConfig(_Strict):
     max_input_seq_length: int = Field(64, gt=0)
     # A prompt longer than max_input_seq_length is cut and carries no loss; a run where more than this
@@ -221,7 +231,7 @@ class MasterConfig(_Strict):
                                  "bootstrap builds, and bootstrap is off: set bootstrap.enabled=true, or name "
                                  "your model (a hub id, a model folder or gguf:<file>)")
             return data
-        if not boot_on:
+        if not boot_on or _is_bootstrapped_model(name, get(boot, "cache_dir")):
             return data
         print(f"[nemo_like] policy.model_name={name}: training that model; bootstrap.enabled set to false "
               "(the embedded tiny model is not built)", file=sys.stderr)

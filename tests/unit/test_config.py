@@ -202,3 +202,13 @@ def test_own_model_wins_in_a_config_built_from_objects(tmp_path, capsys):
     tiny = load_config(TINY)
     cfg = MasterConfig(policy=PolicyConfig(model_name=str(folder)), data=tiny.data, bootstrap=BootstrapConfig())
     assert not cfg.bootstrap.enabled and "bootstrap.enabled set to false" in capsys.readouterr().err
+
+
+def test_a_saved_run_of_the_bootstrapped_model_keeps_the_bootstrap_on(tmp_path, capsys):
+    # setup() records the bootstrapped folder as policy.model_name; resuming must not read it as "your model".
+    cache = tmp_path / "cache"
+    built = cache / "tiny-math-0123456789ab"
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    cfg = load_config(TINY, [f"bootstrap.cache_dir={cache}", f"policy.model_name={built}"])
+    assert cfg.bootstrap.enabled and "bootstrap.enabled set to false" not in capsys.readouterr().err
