@@ -58,7 +58,7 @@ def test_sft_variants_end_with_the_reference_answer(config):
 
 
 def test_processor_registry():
-    with pytest.raises(KeyError, match=r"unknown data processor 'nope'; registered: \['code', 'math', 'tool'"):
+    with pytest.raises(KeyError, match=r"unknown data processor 'nope'; registered: \['code', 'math', 'reasoning_gym', 'tool'"):
         get_processor("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_processor("math", lambda *a: None)
