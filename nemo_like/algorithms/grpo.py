@@ -388,6 +388,7 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
     cfg = trainer.config.grpo
     total = cfg.max_num_steps if max_steps is None else trainer.step_count + max_steps
     start = trainer.step_count
+    began = time.perf_counter()
     if cfg.val_at_start and start == 0:
         trainer.validate(log=True)
         base = trainer.last_val_metrics.get("val/accuracy")
@@ -398,6 +399,10 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
     with tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True,
               mininterval=progress_interval()) as bar:
         while trainer.step_count < total and not trainer.stop_reason:
+            if cfg.max_duration_s is not None and time.perf_counter() - began >= cfg.max_duration_s:
+                tqdm.write(f"step {trainer.step_count}: grpo.max_duration_s ({cfg.max_duration_s:g} s) spent, "
+                           "no further step")
+                break
             m = trainer.step()
             results.append(m)
             bar.update(1)

@@ -25,7 +25,8 @@ def dump_config(config: MasterConfig) -> dict:
 
 # Sections a resumed run may change: how long to train and how to log/save/place it, not what.
 # A schedule's length follows a longer run (total_steps: auto): the lr is recomputed from the new length.
-_RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start",
+_RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.max_duration_s", "grpo.val_period",
+                      "grpo.val_at_start",
                       "policy.scheduler.total_steps", "policy.sequence_packing.", "policy.dynamic_batching.",
                       "policy.logprob_batch_size", "policy.generation_batch_size",
                       "grpo.reuse_generation_logprobs", "grpo.logprob_check_period", "grpo.skip_inert_samples",
