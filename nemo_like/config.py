@@ -20,6 +20,7 @@ from nemo_like.data.datasets import GENERATOR_KINDS, DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
+from nemo_like.models.policy.backends import POLICY_BACKENDS
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
@@ -315,6 +316,7 @@ class MasterConfig(_Strict):
         except KeyError as e:
             raise ValueError(f"grpo.advantage_estimator: {e.args[0]}") from None
         self._check_generation()
+        self._check_policy_backend()
         self._check_async()
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
@@ -330,6 +332,19 @@ class MasterConfig(_Strict):
                 GENERATION_BACKENDS.get(g.backend)
             except KeyError as e:
                 raise ValueError(f"policy.generation.backend: {e.args[0]}") from None
+
+    def _check_policy_backend(self) -> None:
+        name = self.policy.backend
+        try:
+            cls = POLICY_BACKENDS.get(name)  # imports a non-default backend's worker module
+        except KeyError as e:
+            raise ValueError(f"policy.backend: {e.args[0]}") from None
+        except ImportError as e:
+            raise ValueError(f"policy.backend={name!r}: {e}") from None
+        # A worker class may refuse settings it does not implement, before any actor starts.
+        check = getattr(cls, "check_config", None)
+        if check is not None:
+            check(self.policy)
 
     def _check_async(self) -> None:
         a = self.grpo.async_rollouts

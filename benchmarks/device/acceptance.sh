@@ -100,9 +100,14 @@ check smollm2 $((SMOL_S + 70)) python3 examples/run_grpo_math.py "${SMOL[@]}" gr
   grpo.max_num_steps=1000 grpo.val_period=10 checkpointing.enabled=false logger.log_dir=/tmp/smollm2_cuda \
   logger.tensorboard_enabled=false
 [ -f /tmp/smollm2_cuda/metrics.jsonl ] && cp /tmp/smollm2_cuda/metrics.jsonl "$OUT/smollm2_metrics.jsonl"
-check megatron 60 bash -c 'python3 benchmarks/device/megatron_check.py --json "$OUT/megatron.json" --model "$(python3 -c "
+check megatron 130 bash -c 'python3 benchmarks/device/megatron_check.py --json "$OUT/megatron.json" --model "$(python3 -c "
 import sys; from nemo_like.models.pretrained import resolve_model_source; print(resolve_model_source(sys.argv[1]))
-" "gguf:$(ls /tmp/big/*.gguf)")"'
+" "gguf:$(ls /tmp/big/*.gguf)")" && python3 examples/run_grpo_math.py "$@" policy.backend=megatron \
+  policy.sequence_packing.enabled=false policy.generation.colocated=false cluster.gpus_per_worker=0.5 \
+  cluster.generation.gpus_per_worker=0.5 cluster.generation.cpus_per_worker=4 grpo.max_num_steps=3 \
+  grpo.val_at_start=false grpo.val_at_end=false checkpointing.enabled=false logger.log_dir=/tmp/megatron_grpo \
+  logger.tensorboard_enabled=false' megatron "${SMOL[@]}"
+[ -f /tmp/megatron_grpo/metrics.jsonl ] && cp /tmp/megatron_grpo/metrics.jsonl "$OUT/megatron_grpo_metrics.jsonl"
 check trl 110 python3 benchmarks/compare_trl.py "${SMOL[@]}" --steps "$TRL_STEPS" --warmup 2 --val-samples 64 \
   --json "$OUT/trl.json" grpo.val_period=0
 check async 80 python3 benchmarks/bench_async.py --steps "$ASYNC_STEPS" --latency 0 --rollout-workers 1 \

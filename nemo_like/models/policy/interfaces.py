@@ -119,6 +119,9 @@ class PolicyConfig(BaseModel):
 
     model_name: str = Field(..., description="HF hub id or local folder (save_pretrained layout)")
     tokenizer_name: str | None = None
+    # The training worker (models/policy/backends.py): "hf" (transformers, FSDP2) or "megatron"
+    # (Megatron-core GPTModel; pip install 'nemo_like[megatron]'), or a registered name.
+    backend: str = "hf"
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
     # Samples per optimizer step, over all workers.

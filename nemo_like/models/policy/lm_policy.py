@@ -1,4 +1,4 @@
-"""`Policy`: the driver-side facade over a RayWorkerGroup of HF training workers.
+"""`Policy`: the driver-side facade over a RayWorkerGroup of training workers (`policy.backend`).
 
 With ``policy.generation.colocated: true`` (the default) the same workers also generate, on the
 weights they train. With ``colocated: false`` a separate rollout group generates and is sent the
@@ -19,7 +19,7 @@ from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
 from nemo_like.experience.streaming import EPISODE_KEYS, with_episodes
 from nemo_like.models.generation.interfaces import GenerationInterface
-from nemo_like.models.policy.hf_worker import HFPolicyWorker
+from nemo_like.models.policy.backends import policy_worker_cls
 from nemo_like.models.policy.interfaces import PolicyConfig, PolicyInterface
 
 
@@ -34,7 +34,7 @@ class Policy(PolicyInterface, GenerationInterface):
         if os.environ.get("HF_HUB_OFFLINE"):
             env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
         self.worker_group = RayWorkerGroup(
-            cluster, HFPolicyWorker, config, seed=seed, init_reference_model=init_reference_model,
+            cluster, policy_worker_cls(config.backend), config, seed=seed, init_reference_model=init_reference_model,
             init_optimizer=init_optimizer, name_prefix=name_prefix, env_vars=env)
         self.world_size = self.worker_group.world_size
         self._export_bytes: int | None = None  # the exported view's size never changes: asked once
