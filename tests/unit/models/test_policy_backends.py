@@ -50,3 +50,14 @@ def test_a_class_that_is_not_a_policy_worker_is_refused_naming_what_it_lacks() -
             register_policy_backend("bad", LogprobsOnly)
         with pytest.raises(TypeError, match=r"not a class"):
             register_policy_backend("fn", lambda: None)
+
+
+def test_the_megatron_backend_refuses_what_it_does_not_implement_before_ray() -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+    with pytest.raises(ConfigError, match=r"policy.backend=megatron trains only .* policy.generation.colocated=false"):
+        load_config(CONFIG, ["policy.backend=megatron"])
+    with pytest.raises(ConfigError, match=r"does not support: policy.lora.enabled"):
+        load_config(CONFIG, ["policy.backend=megatron", "policy.generation.colocated=false", "policy.lora.enabled=true"])
+    cfg = load_config(CONFIG, ["policy.backend=megatron", "policy.generation.colocated=false",
+                               "policy.sequence_packing.enabled=false"])
+    assert policy_worker_cls(cfg.policy.backend).__name__ == "MegatronPolicyWorker"
