@@ -25,7 +25,7 @@
 # refuses two ranks on one device), so it is not among these checks.
 set -uo pipefail
 export OUT=${OUT:-/tmp/acceptance_out}
-BUDGET_S=${BUDGET_S:-560}
+BUDGET_S=${BUDGET_S:-580}
 GRPO_STEPS=${GRPO_STEPS:-10}
 ASYNC_STEPS=${ASYNC_STEPS:-6}
 SMOL_S=${SMOL_S:-100}
@@ -108,8 +108,8 @@ import sys; from nemo_like.models.pretrained import resolve_model_source; print(
   grpo.val_at_start=false grpo.val_at_end=false checkpointing.enabled=false logger.log_dir=/tmp/megatron_grpo \
   logger.tensorboard_enabled=false' megatron "${SMOL[@]}"
 [ -f /tmp/megatron_grpo/metrics.jsonl ] && cp /tmp/megatron_grpo/metrics.jsonl "$OUT/megatron_grpo_metrics.jsonl"
-check trl 110 python3 benchmarks/compare_trl.py "${SMOL[@]}" --steps "$TRL_STEPS" --warmup 2 --val-samples 64 \
-  --json "$OUT/trl.json" grpo.val_period=0
+check trl 110 python3 benchmarks/compare_trl.py --steps "$TRL_STEPS" --warmup 2 --val-samples 64 \
+  --json "$OUT/trl.json" "${SMOL[@]}" grpo.val_period=0
 check async 80 python3 benchmarks/bench_async.py --steps "$ASYNC_STEPS" --latency 0 --rollout-workers 1 \
   --png /tmp/bench_async.png --json "$OUT/async.json" cluster.gpus_per_worker=0.5 \
   cluster.generation.gpus_per_worker=0.5 policy.precision=bfloat16 cluster.num_cpus=16 cluster.cpus_per_worker=8 \
