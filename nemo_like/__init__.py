@@ -1,8 +1,19 @@
 """nemo_like: environment-centric GRPO post-training that runs and learns on a laptop CPU."""
 
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# NEMO_LIKE_STACKS_ON_SIGUSR1=1: every process that imports the package (the driver, each Ray worker
+# and environment actor) prints all its threads' Python stacks to stderr on SIGUSR1, so a run that
+# hangs can be asked where it is without a debugger (benchmarks/device/acceptance.sh does, before
+# its time limit kills a check). Ray workers inherit the variable from the driver's environment.
+if os.environ.get("NEMO_LIKE_STACKS_ON_SIGUSR1") == "1":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 __all__ = ["GRPOExperiment", "__version__"]
 
 
