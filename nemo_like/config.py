@@ -14,11 +14,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
 from nemo_like.data.datasets import GENERATOR_KINDS, DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
+from nemo_like.models.critic.config import CriticConfig
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
 from nemo_like.models.policy.backends import POLICY_BACKENDS
 from nemo_like.models.policy.interfaces import PolicyConfig
@@ -45,6 +46,28 @@ class DynamicSamplingConfig(_Strict):
     # Generation rounds (of grpo.num_prompts_per_step prompts each) at most per step; then the step
     # trains on the groups it has (the rest of the batch carries no loss; see dynamic_sampling/*).
     max_gen_batches: int = Field(4, ge=1)
+
+
+class KLInRewardConfig(_Strict):
+    """The KL to the reference policy as a per-token penalty in the reward (RLHF-style PPO), beside or
+    instead of the loss-side ``loss_fn.reference_policy_kl_penalty``. ``adaptive``: the coefficient
+    follows the proportional rule towards ``target_kl`` over ``horizon`` samples, updated after the
+    batch that measured it."""
+
+    enabled: bool = False
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    init_coef: float = Field(0.001, ge=0)
+    target_kl: float = Field(0.1, gt=0)
+    horizon: int = Field(10000, gt=0)
+    estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+
+
+class GAEConfig(_Strict):
+    """Generalised advantage estimation (``grpo.advantage_estimator: gae``, with a ``critic``)."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
 
 
 class CollapseStopConfig(_Strict):
@@ -113,6 +136,8 @@ class GRPOConfig(_Strict):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     stop_on_collapse: CollapseStopConfig = CollapseStopConfig()
     async_rollouts: AsyncRolloutsConfig = AsyncRolloutsConfig()
+    kl_in_reward: KLInRewardConfig = KLInRewardConfig()
+    gae: GAEConfig = GAEConfig()
     seed: int = 42
 
 
@@ -133,6 +158,8 @@ class ClusterConfig(_Strict):
     num_cpus: int | None = None
     address: str | None = None  # else $RAY_ADDRESS, else a new local cluster
     generation: GenerationClusterConfig = GenerationClusterConfig()
+    # The critic's worker group (a `critic` section): data parallel over num_workers, like the policy's.
+    critic: GenerationClusterConfig = GenerationClusterConfig()
 
 
 class ModelBuildConfig(_Strict):
@@ -213,6 +240,8 @@ class MasterConfig(_Strict):
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
     bootstrap: BootstrapConfig | None = None
+    # A value model (PPO): its own worker group on cluster.critic; `critic: {}` takes the policy's model.
+    critic: CriticConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -316,6 +345,7 @@ class MasterConfig(_Strict):
         except KeyError as e:
             raise ValueError(f"grpo.advantage_estimator: {e.args[0]}") from None
         self._check_generation()
+        self._check_critic()
         self._check_policy_backend()
         self._check_async()
         weights = [d.sampling_weight for d in self.data.train_list]
@@ -332,6 +362,19 @@ class MasterConfig(_Strict):
                 GENERATION_BACKENDS.get(g.backend)
             except KeyError as e:
                 raise ValueError(f"policy.generation.backend: {e.args[0]}") from None
+
+    def _check_critic(self) -> None:
+        name = self.grpo.advantage_estimator
+        needs = estimator_needs(name)
+        if "values" in needs and self.critic is None:
+            raise ValueError(f"grpo.advantage_estimator={name!r} needs a critic's values: add a critic section "
+                             "(critic: {} trains a value model on the policy's model)")
+        if self.critic is not None and "values" not in needs:
+            raise ValueError(f"critic is set, but grpo.advantage_estimator={name!r} uses no values: set "
+                             "grpo.advantage_estimator=gae, or remove the critic section")
+        if "greedy_rewards" in needs and (self.grpo.dynamic_sampling.enabled or self.grpo.async_rollouts.enabled):
+            raise ValueError(f"grpo.advantage_estimator={name!r} grades one greedy sample per prompt of the step: "
+                             "it does not combine with grpo.dynamic_sampling or grpo.async_rollouts")
 
     def _check_policy_backend(self) -> None:
         name = self.policy.backend

@@ -16,11 +16,22 @@ sample whose reward is NaN stays out of every baseline and gets advantage 0 — 
 masking, not the estimators, which raise ValueError on a non-finite reward. The built-ins compute in
 float64, return the rewards' dtype (float32 for integer/bool rewards) and carry no gradient.
 
+Estimators that need more than rewards declare it when registered (``needs=(...)``), and the trainer
+passes exactly those, as keyword arguments: ``values`` [N, T] (a critic's, ``values[:, t]`` for the
+state that chose token t), ``token_rewards`` [N, T] (the score on each sample's last response token,
+minus the KL penalty when ``grpo.kl_in_reward`` is on) and ``greedy_rewards`` [N] (the reward of one
+greedy sample of the sample's prompt). Such an estimator may return token-level advantages [N, T]
+(zero off ``token_mask``), and a pair ``(advantages, extras)`` where ``extras["returns"]`` [N, T] are
+the critic's regression targets.
+
 Built-ins: ``mean`` (= ``dr_grpo``) and ``mean_std`` (group mean and std, no leave-one-out: what
 trajectory-level GRPO uses), ``grpo`` (:func:`compute_grpo_advantages` with ``use_leave_one_out_baseline`` and
 ``std_scale``), ``dr_grpo`` (reward minus group mean, no std: Dr. GRPO), ``rloo`` (reward minus the
 mean of the group's other members) and ``reinforce_pp`` (group-centred, then normalised over the
-batch: REINFORCE++ baseline).
+batch: REINFORCE++ baseline); ``gae`` (needs values and token rewards: generalised advantage
+estimation with ``grpo.gae``'s gamma and lam, returns for the critic, advantages whitened over the
+batch's response tokens) and ``remax`` (needs token rewards and greedy rewards: reward-to-go minus
+the greedy sample's reward, no critic, no whitening).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from nemo_like.algorithms.ppo_terms import compute_gae, masked_whiten, remax_advantages
 from nemo_like.utils.registry import Registry
 
 AdvantageEstimator = Callable[..., torch.Tensor]
@@ -172,12 +184,31 @@ def _check_estimator(name: str, fn: Any) -> None:
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", check=_check_estimator)
 
 
+# What each estimator needs beyond (rewards, group_ids, config, token_mask); see the module docstring.
+ESTIMATOR_INPUTS = ("values", "token_rewards", "greedy_rewards")
+_NEEDS: dict[str, tuple[str, ...]] = {}
+
+
 def register_advantage_estimator(name: str, fn: AdvantageEstimator | str | None = None, *,
-                                 overwrite: bool = False) -> Any:
-    """Register ``fn(rewards, group_ids, *, config, token_mask=None) -> Tensor[N]`` under ``name``:
-    ``@register_advantage_estimator("x")`` or ``register_advantage_estimator("x", fn_or_import_path)``.
-    The same definition again is a no-op; another one needs ``overwrite=True``."""
-    return ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite)
+                                 needs: Sequence[str] = (), overwrite: bool = False) -> Any:
+    """Register ``fn(rewards, group_ids, *, config, token_mask=None, **needed) -> Tensor[N]`` (or
+    [N, T], or ``(advantages, extras)``) under ``name``: ``@register_advantage_estimator("x")`` or
+    ``register_advantage_estimator("x", fn_or_import_path)``. ``needs``: inputs from
+    ``ESTIMATOR_INPUTS`` the trainer must compute and pass. The same definition again is a no-op;
+    another one needs ``overwrite=True``."""
+    needs = tuple(needs)
+    if unknown := [n for n in needs if n not in ESTIMATOR_INPUTS]:
+        raise ValueError(f"advantage estimator {name!r}: unknown inputs {unknown}; an estimator may need "
+                         f"{list(ESTIMATOR_INPUTS)}")
+    registered = ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite)
+    _NEEDS[name] = needs
+    return registered
+
+
+def estimator_needs(name: str) -> tuple[str, ...]:
+    """The inputs estimator ``name`` declared (KeyError with a did-you-mean if unknown)."""
+    get_advantage_estimator(name)
+    return _NEEDS.get(name, ())
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
@@ -232,3 +263,33 @@ def reinforce_pp_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, co
                            token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`compute_reinforce_pp_advantages` with its default eps; ignores the config."""
     return compute_reinforce_pp_advantages(rewards, group_ids)
+
+
+@register_advantage_estimator("gae", needs=("values", "token_rewards"))
+def gae_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                  token_mask: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                  token_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Generalised advantage estimation over the response tokens (``token_mask``; environment tokens
+    between turns are skipped, so the recursion runs over the assistant's tokens across turns), with
+    ``config.gae``'s ``gamma``, ``lam`` and ``whiten_advantages``. The value past a sample's last token
+    is 0, also when the sample was cut at the length limit (no bootstrap). Returns the advantages
+    [N, T] and ``{"returns": advantages + values}`` (before whitening) for the critic."""
+    if values is None or token_rewards is None or token_mask is None:
+        raise ValueError("the gae estimator needs values, token_rewards and token_mask")
+    gae = getattr(config, "gae", None)
+    advantages, returns = compute_gae(token_rewards, values, token_mask, gamma=getattr(gae, "gamma", 1.0),
+                                      lam=getattr(gae, "lam", 0.95))
+    if getattr(gae, "whiten_advantages", True):
+        advantages = masked_whiten(advantages, token_mask)
+    return advantages, {"returns": returns}
+
+
+@register_advantage_estimator("remax", needs=("token_rewards", "greedy_rewards"))
+def remax_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config: Any = None,
+                    token_mask: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
+                    greedy_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """ReMax: each token's reward-to-go minus the reward of the prompt's greedy sample (no critic,
+    no whitening)."""
+    if token_rewards is None or greedy_rewards is None or token_mask is None:
+        raise ValueError("the remax estimator needs token_rewards, greedy_rewards and token_mask")
+    return remax_advantages(token_rewards, token_mask, greedy_rewards)

@@ -25,6 +25,7 @@ from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
 from nemo_like.algorithms.grpo_report import accuracy_summary, per_task_metrics, per_task_summary
 from nemo_like.algorithms.grpo_setup import (
     build_task_dataset,
+    check_critic_tokenizer,
     check_prompt_lengths,
     check_resume_compatible,
     dump_config,
@@ -33,6 +34,7 @@ from nemo_like.algorithms.grpo_setup import (
 )
 from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
 from nemo_like.algorithms.loss_functions import LossFunction, get_loss_fn
+from nemo_like.algorithms.ppo import PPOStage
 from nemo_like.config import ConfigError, MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
@@ -91,11 +93,15 @@ class GRPOTrainer:
     generator: Any = None
     # Async GRPO's producer (grpo.async_rollouts), started at the first step.
     async_rollouts: AsyncRolloutRunner | None = None
+    # PPO's parts (algorithms/ppo.py): the critic facade, if any, and the KL-in-reward controller.
+    critic: Any = None
+    ppo: PPOStage = field(init=False)
 
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
         self.generator = self.generator if self.generator is not None else self.policy
+        self.ppo = PPOStage(self.config, self.critic)
         self._local = threading.local()
         s = self.config.grpo.slow_env_first_s
         self.env_times = EnvTimes(s) if s is not None else None  # per task, across steps and validation
@@ -136,20 +142,26 @@ class GRPOTrainer:
             else:
                 group_ids = torch.arange(len(idx)).repeat_interleave(G)
             rewards = batch["total_reward"]
+            greedy_rewards = None
+            if self.ppo.needs_greedy:  # ReMax: one greedy sample per prompt, graded like the others
+                with timer.time("greedy_baseline"):
+                    greedy, _ = self._rollout(rl_collate_fn([self.train_dataset[i] for i in idx]), greedy=True)
+                    greedy_rewards = greedy["total_reward"].repeat_interleave(G)
 
             # 3. Training rows (one flat row per sample; only assistant tokens carry loss) and
             # advantages, computed on the driver (cheap, [N]) by the registered estimator. A sample
             # no reward function could score (NaN) gets advantage 0 and stays out of every baseline.
+            # PPO (an estimator that needs values or token rewards, or the KL in the reward) computes
+            # them in 4b, once the log-probs are known.
             train_data = flatten_message_logs(batch["message_log"], self.tokenizer.pad_token_id)
-            estimator = get_advantage_estimator(cfg.grpo.advantage_estimator)
             scorable = torch.isfinite(rewards)
             advantages = torch.zeros_like(rewards)
-            if scorable.any():
+            if not self.ppo.active and scorable.any():
+                estimator = get_advantage_estimator(cfg.grpo.advantage_estimator)
                 advantages[scorable] = estimator(rewards[scorable], group_ids[scorable], config=cfg.grpo,
                                                  token_mask=train_data["token_mask"][scorable])
 
             # 4. Training data: advantages, sample masks, previous and reference log-probs.
-            train_data["advantages"] = advantages.float()
             train_data["sample_mask"] = batch["loss_multiplier"].float()
             if cfg.grpo.overlong_filtering:
                 train_data["sample_mask"] *= (~batch["truncated"]).float()
@@ -174,25 +186,39 @@ class GRPOTrainer:
                     train_data["prev_logprobs"] = lp["logprobs"]
                     if "padding_efficiency" in lp:
                         logprob_eff = float(lp["padding_efficiency"].mean())
-                if cfg.loss_fn.reference_policy_kl_penalty > 0:
+                if cfg.loss_fn.reference_policy_kl_penalty > 0 or self.ppo.needs_reference:
                     train_data["reference_policy_logprobs"] = self.policy.get_reference_policy_logprobs(
                         train_data)["reference_logprobs"]
                 elif not proximal_in_train:  # KL term is off: skip a forward pass (the loss takes curr's)
                     train_data["reference_policy_logprobs"] = train_data["prev_logprobs"]
 
+            # 4b. PPO: the critic's values, the KL penalty in the reward, the estimator's advantages
+            # ([N, T] for token-level ones), then the critic's update on the returns.
+            ppo_metrics: dict[str, float] = {}
+            if self.ppo.active:
+                advantages, extras = self.ppo.advantages(train_data, rewards, group_ids, timer, greedy_rewards)
+                ppo_metrics = extras["metrics"]
+                if self.critic is not None:
+                    ppo_metrics |= self.ppo.update_critic(train_data, extras, timer)
+            train_data["advantages"] = advantages.float()
+
             # 5. Policy update. Samples that cannot move the weights skip the pass (same update).
+            # During the critic's warm-up the actor is left as it is (weights, optimizer, no refit).
+            warmup = self.ppo.in_warmup(self.step_count)
             if cfg.grpo.skip_inert_samples:
                 train_data["skip_pass"] = inert_samples(train_data, self.loss_fn)
-            with timer.time("train"):
-                self.policy.prepare_for_training()
-                train_metrics = self.policy.train(train_data, self.loss_fn)
-                self.policy.finish_training()
+            train_metrics = {}
+            if not warmup:
+                with timer.time("train"):
+                    self.policy.prepare_for_training()
+                    train_metrics = self.policy.train(train_data, self.loss_fn)
+                    self.policy.finish_training()
 
             # 6. Weight sync: a separate rollout group gets the new weights (version = optimizer steps).
             # Async: the trainer goes on once they are exported; a rollout worker loads them between
             # two engine steps, and calls sent later wait for them (samples record the version they used).
             refit_metrics = {}
-            if self.generator is not self.policy:
+            if self.generator is not self.policy and not warmup:
                 with timer.time("weight_sync"):
                     refit_metrics = self.generator.update_weights_from(self.policy, version=self.step_count + 1,
                                                                        wait=self.async_rollouts is None)
@@ -210,7 +236,8 @@ class GRPOTrainer:
             # "advantage collapse": groups whose rewards are all equal give no gradient.
             "train/zero_std_group_frac": float((grouped.std(dim=1) == 0).float().mean()),
             "train/unscorable_frac": float((~scorable).float().mean()),
-            "train/advantage_abs_mean": float(advantages.abs().mean()),
+            "train/advantage_abs_mean": float(advantages.abs().mean() if advantages.dim() == 1 else
+                                              advantages.abs().sum() / train_data["token_mask"].sum().clamp(min=1)),
             "train/loss_masked_frac": float((train_data["sample_mask"] == 0).float().mean()),
             # Prompts longer than data.max_input_seq_length: cut, and carry no loss.
             "train/prompt_cut_frac": float((batch["loss_multiplier"] == 0).float().mean()),
@@ -220,7 +247,9 @@ class GRPOTrainer:
         metrics |= {f"train/{k}": v for k, v in rollout_metrics.items()}
         if len(set(batch["task_name"])) > 1:
             metrics |= per_task_metrics(batch, "train")
-        metrics |= {f"train/{k}": v for k, v in train_metrics.items()}
+        metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | ppo_metrics
+        if warmup:
+            metrics["critic/warmup"] = 1.0
         if logprob_eff is not None:
             metrics["train/logprob_padding_efficiency"] = logprob_eff
         timings = timer.get_timing_metrics() | {"generation": rollout_metrics.get("generation_s", 0.0)}
@@ -333,6 +362,8 @@ class GRPOTrainer:
         tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
                                                     training_info(self.step_count, self.last_val_metrics, metrics))
         self.policy.save_checkpoint(str(tmp / "policy"))
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(tmp / "critic"))
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
         # Async: the sampler as of the last trained batch; batches in flight are drawn again on resume.
         sampler = self.sampler.state_dict()
@@ -341,13 +372,16 @@ class GRPOTrainer:
         save_train_state(tmp, {"step": self.step_count, "sampler": sampler,
                                "last_val_metrics": self.last_val_metrics, "first_val_results": self.first_val_results,
                                "last_val_results": self.last_val_results,
-                               "collapse_counts": self.collapse_watch.state_dict()})
+                               "collapse_counts": self.collapse_watch.state_dict(), "ppo": self.ppo.state_dict()})
         return self.checkpointer.finalize_checkpoint(tmp)
 
     def load_checkpoint(self, path: str | Path) -> None:
         path = Path(path)
         state = load_train_state(path)  # exact or refused: every file is checked against the manifest first
         self.policy.load_checkpoint(str(path / "policy"))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(path / "critic"))
+        self.ppo.load_state_dict(state.get("ppo"))
         self.step_count = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         restore_rng(state["rng"])
@@ -425,6 +459,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
     from nemo_like.environments.registry import create_env_actor, registered_envs
     from nemo_like.environments.supervision import wait_for_env_actors
+    from nemo_like.models.critic.critic import Critic
     from nemo_like.models.generation.backends import generation_worker_cls
     from nemo_like.models.generation.rollout_group import RolloutGroup
     from nemo_like.models.policy.lm_policy import Policy
@@ -479,6 +514,10 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         if cfg.policy.tokenizer_name:
             cfg.policy.tokenizer_name = resolve_model_source(cfg.policy.tokenizer_name)
         tokenizer = load_tokenizer()
+    if cfg.critic is not None and cfg.critic.model_name:  # a value model of its own must read the same tokens
+        cfg.critic.model_name = resolve_model_source(cfg.critic.model_name, key="critic.model_name")
+        check_critic_tokenizer(cfg.critic.model_name, cfg.policy.tokenizer_name or cfg.policy.model_name,
+                               cfg.policy.trust_remote_code)
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
@@ -505,8 +544,17 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         wait_for_env_actors(envs, {d.task_name: d.env_name for d in train_cfgs + val_cfgs})
 
         policy = Policy(cluster, cfg.policy, seed=cfg.grpo.seed,
-                        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
+                        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0
+                        or cfg.grpo.kl_in_reward.enabled)
         resources.append(policy.shutdown)
+        critic = None
+        if cfg.critic is not None:  # a value model of its own, on its own workers (cluster.critic)
+            c = cfg.cluster.critic
+            critic_cluster = RayVirtualCluster(c.num_workers, cpus_per_worker=c.cpus_per_worker,
+                                               gpus_per_worker=c.gpus_per_worker, name="critic")
+            resources.append(critic_cluster.shutdown)
+            critic = Critic(critic_cluster, cfg.critic, cfg.policy, seed=cfg.grpo.seed)
+            resources.append(critic.shutdown)
         generator = policy
         if not cfg.policy.generation.colocated:  # a rollout group of its own, sent the weights after each update
             generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed,
@@ -522,7 +570,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     trainer = GRPOTrainer(config=cfg, policy=policy, tokenizer=tokenizer, train_dataset=train_ds,
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
-                          loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources,
+                          loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources, critic=critic,
                           generator=generator)
     try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
         latest = ckpt.open_for_run(resume) if ckpt else None

@@ -143,3 +143,19 @@ def check_prompt_lengths(ds_cfgs, rows_list, tokenizer, split: str, max_input: i
                           "policy.max_total_sequence_length with it), or shorten the prompt template")
     print(f"[nemo_like] {what}: they are cut and carry no loss (train/prompt_cut_frac counts them per step)")
     return len(cut)
+
+
+def check_critic_tokenizer(critic_model: str, policy_tokenizer: str, trust_remote_code: bool = False) -> None:
+    """A critic of another model must tokenize as the policy does (its values are read per policy
+    token): ConfigError naming ``critic.model_name`` otherwise, before Ray starts."""
+    from transformers import AutoTokenizer
+
+    try:
+        mine = AutoTokenizer.from_pretrained(critic_model, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"critic.model_name={critic_model!r}: cannot load its tokenizer: {e}") from None
+    theirs = AutoTokenizer.from_pretrained(policy_tokenizer, trust_remote_code=trust_remote_code)
+    if mine.get_vocab() != theirs.get_vocab():
+        raise ConfigError(f"critic.model_name={critic_model!r} has another tokenizer than the policy's "
+                          f"({len(mine)} against {len(theirs)} tokens): a critic reads the policy's tokens; "
+                          "use a model of the same family, or leave critic.model_name unset (the policy's model)")

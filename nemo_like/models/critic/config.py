@@ -1,0 +1,109 @@
+"""Typed config of the critic (value model) that PPO trains beside the policy."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from nemo_like.models.policy.interfaces import OptimizerConfig, SchedulerConfig
+
+
+class CriticConfig(BaseModel):
+    """The value model: the policy's trunk (or ``model_name``'s) with a fresh one-output head.
+
+    ``None`` for ``model_name`` and ``train_global_batch_size`` means: take the policy's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str | None = None
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Samples per optimizer step, over all workers.
+    train_global_batch_size: int | None = None
+    train_micro_batch_size: int = 16
+    forward_micro_batch_size: int = 32
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-5)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_grad_norm: float | None = 1.0
+    # Half-width of the band around the old values the new values are clipped to (None: no clipping).
+    cliprange_value: float | None = 0.5
+    value_loss_coef: float = 1.0
+    # Steps at the start of a run in which only the critic trains (read by the trainer).
+    warmup_steps: int = 0
+    # Passes over the batch per training step.
+    ppo_epochs: int = 1
+    fsdp: bool = True
+    activation_checkpointing: bool = False
+    # Threads per worker; None = the worker's CPU share from the cluster.
+    num_threads: int | None = None
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("critic.model_name is empty: give an HF id or folder, or leave it null for the policy's")
+        return v
+
+    @field_validator("train_global_batch_size")
+    @classmethod
+    def _global_batch(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"critic.train_global_batch_size must be positive (or null for the policy's), got {v}")
+        return v
+
+    @field_validator("train_micro_batch_size", "forward_micro_batch_size")
+    @classmethod
+    def _micro_batch(cls, v: int, info) -> int:
+        if v <= 0:
+            raise ValueError(f"critic.{info.field_name} must be positive, got {v}")
+        return v
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _grad_norm(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"critic.max_grad_norm must be positive (or null for no clipping), got {v}")
+        return v
+
+    @field_validator("cliprange_value")
+    @classmethod
+    def _cliprange(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"critic.cliprange_value must be positive (or null for no clipping), got {v}")
+        return v
+
+    @field_validator("value_loss_coef")
+    @classmethod
+    def _coef(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"critic.value_loss_coef must be positive, got {v}")
+        return v
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"critic.warmup_steps must be >= 0, got {v}")
+        return v
+
+    @field_validator("ppo_epochs")
+    @classmethod
+    def _epochs(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"critic.ppo_epochs must be >= 1, got {v}")
+        return v
+
+    @field_validator("num_threads")
+    @classmethod
+    def _threads(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"critic.num_threads must be >= 1 (or null for the worker's CPU share), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _micro_fits_global(self) -> CriticConfig:
+        gbs = self.train_global_batch_size
+        if gbs is not None and self.train_micro_batch_size > gbs:
+            raise ValueError(f"critic.train_micro_batch_size ({self.train_micro_batch_size}) is larger than "
+                             f"critic.train_global_batch_size ({gbs})")
+        return self

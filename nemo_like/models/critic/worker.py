@@ -1,0 +1,397 @@
+"""One critic (value model) worker: a HF decoder trunk with a one-output head, data parallel over
+torch.distributed (gloo on CPU, NCCL on GPU), sharded with FSDP2 like the policy's HF worker.
+
+The ``Critic`` facade creates one per placement-group bundle through RayWorkerGroup; every public
+method is called on all workers at once with that worker's shard of the batch.
+
+Position convention: the value of token t is the head's output at position t - 1, the state that
+chose token t; position 0 (nothing chose it) and padding get 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.critic.config import CriticConfig
+from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
+from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.weight_export import named_checksum
+
+_TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "values", "returns")
+# Where the non-finite flags of a training pass are counted (see CriticWorker._check_finite).
+_FLAG_NAMES = ("new values", "value loss", "gradient norm")
+
+
+class _ValueOutput:
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+class TrunkWithValueHead(nn.Module):
+    """For model types transformers has no token-classification class for: the bare trunk
+    (``AutoModel``) and a linear head on its last hidden states (``logits`` [B, T, 1])."""
+
+    def __init__(self, trunk: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = trunk
+        self.score = nn.Linear(hidden_size, 1)
+        self.config = trunk.config
+
+    def forward(self, input_ids=None, attention_mask=None, use_cache=False, **kw):
+        h = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, **kw).last_hidden_state
+        return _ValueOutput(self.score(h))
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.model.gradient_checkpointing_enable()
+
+
+def load_value_model(model_name: str, trust_remote_code: bool = False) -> tuple[nn.Module, list[str]]:
+    """The value model of ``model_name`` in float32 with every dropout at 0, and the names of the
+    parameters the checkpoint did not hold (the new head, at its default init)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
+
+    hf_cfg = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    hf_cfg.num_labels = 1
+    # Token-classification heads default to 10% dropout where the config names none: a value
+    # estimate is a regression target, so no dropout anywhere (verl does the same).
+    for key in list(hf_cfg.to_dict()):
+        if "dropout" in key and isinstance(getattr(hf_cfg, key, None), (int, float)):
+            setattr(hf_cfg, key, 0.0)
+    hf_cfg.classifier_dropout = 0.0
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            model_name, config=hf_cfg, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            output_loading_info=True)
+        missing = sorted(info.get("missing_keys", []))
+    except ValueError as e:  # transformers' "Unrecognized configuration class" for this model type
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        trunk = AutoModel.from_pretrained(model_name, config=hf_cfg, dtype=torch.float32,
+                                          trust_remote_code=trust_remote_code)
+        hidden = int(hf_cfg.get_text_config().hidden_size) if hasattr(hf_cfg, "get_text_config") else int(
+            hf_cfg.hidden_size)
+        model = TrunkWithValueHead(trunk, hidden)
+        missing = ["score.weight", "score.bias"]
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model, missing
+
+
+def shifted_values(head_out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, T] values from the head's [B, T] outputs: values[:, t] = head_out[:, t - 1] for
+    1 <= t < length, 0 at t = 0 and on padding."""
+    v = torch.zeros_like(head_out)
+    v[:, 1:] = head_out[:, :-1]
+    ar = torch.arange(head_out.shape[1], device=head_out.device)
+    keep = (ar[None, :] >= 1) & (ar[None, :] < lengths.to(head_out.device)[:, None])
+    return torch.where(keep, v, torch.zeros_like(v))
+
+
+def clipped_value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                             mask: torch.Tensor, cliprange: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: 0.5 * max((v - R)^2, (v_clip - R)^2) and whether the clipped term is the larger
+    (float 0/1), both 0 where ``mask`` is 0 (whatever the inputs hold there)."""
+    on = mask > 0
+    zero = torch.zeros_like(values)
+    old = torch.where(on, old_values, zero)
+    ret = torch.where(on, returns, zero)
+    unclipped = (values - ret) ** 2
+    if cliprange is None:
+        loss, clipped_larger = 0.5 * unclipped, zero
+    else:
+        v_clip = old + (values - old).clamp(-cliprange, cliprange)
+        clipped = (v_clip - ret) ** 2
+        loss = 0.5 * torch.maximum(unclipped, clipped)
+        clipped_larger = (clipped > unclipped).to(values.dtype)
+    return torch.where(on, loss, zero), torch.where(on, clipped_larger, zero)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class CriticWorker:
+    def __init__(self, config: CriticConfig, policy_config: PolicyConfig, *, seed: int = 0):
+        self.cfg = config
+        self.policy_cfg = policy_config
+        threads = config.num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
+        torch.set_num_threads(max(1, threads))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
+        self.device = pick_device(use_cuda)
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=self.rank,
+                                    world_size=self.world_size)
+        # The same seed on every rank: the new head is initialised identically everywhere (and
+        # broadcast from rank 0 below, in case a model's init is not deterministic).
+        torch.manual_seed(seed)
+        self.model_name = config.model_name or policy_config.model_name
+        model, new_params = load_value_model(self.model_name, policy_config.trust_remote_code)
+        model.to(self.device)
+        if self.world_size > 1 and new_params:
+            params = dict(model.named_parameters())
+            for name in new_params:
+                if name in params:
+                    dist.broadcast(params[name].data, src=0)
+        if config.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.sharded = config.fsdp and (self.world_size > 1 or config.precision != "float32")
+        self.model = self._shard(model) if self.sharded else model
+        self.model.train()
+        o = config.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        sched = config.scheduler
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: sched.lr_factor(s))
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        kw: dict = {"mesh": mesh}
+        if self.cfg.precision != "float32":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[self.cfg.precision],
+                                                   reduce_dtype=torch.float32)
+        trunk = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
+        for layer in getattr(trunk, "layers", None) or []:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        return model
+
+    def _autocast(self):
+        # Without FSDP's mixed precision (fsdp off), a lower precision is applied by autocast.
+        if self.sharded or self.cfg.precision == "float32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.cfg.precision])
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    # ---- values -------------------------------------------------------------------------------
+    def _values(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[b, w] float32 values of one micro-batch (on the device), with gradients if enabled."""
+        ids = ids.to(self.device)
+        lengths = lengths.to(self.device)
+        ar = torch.arange(ids.shape[1], device=self.device)
+        attn = (ar[None, :] < lengths[:, None]).long()
+        with self._autocast():
+            out = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        return shifted_values(out[..., 0].float(), lengths)
+
+    def _reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """``t`` (CPU) reduced over the ranks (default: sum)."""
+        if not (dist.is_initialized() and self.world_size > 1):
+            return t
+        out = t.to(self.device) if self.device.type == "cuda" else t.clone()
+        dist.all_reduce(out, op=op or dist.ReduceOp.SUM)
+        return out.cpu()
+
+    @torch.no_grad()
+    def compute_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``values`` [B, T] float32 of the shard: see the module's position convention."""
+        ids, lengths = data["input_ids"], data["input_lengths"]
+        values = torch.zeros(ids.shape, dtype=torch.float32)
+        mb = self.cfg.forward_micro_batch_size
+        # Every rank runs the same number of passes (FSDP's collectives are in lock step); the
+        # facade pads the shards to equal sizes, so the counts agree, and a spare pass is dropped.
+        n_mb = math.ceil(data.size / mb) if data.size else 0
+        n_pass = int(self._reduce(torch.tensor([n_mb]), op=dist.ReduceOp.MAX)[0]) if self.world_size > 1 else n_mb
+        for i in range(n_pass):
+            s = min(i, max(n_mb - 1, 0)) * mb
+            if not data.size:
+                break
+            chunk = slice(s, min(s + mb, data.size))
+            width = max(1, int(lengths[chunk].max()))
+            v = self._values(ids[chunk, :width], lengths[chunk])
+            if i < n_mb:
+                values[chunk, :width] = v.cpu()
+        self._reshard()
+        return BatchedDataDict(values=values)
+
+    # ---- training -----------------------------------------------------------------------------
+    def _check_inputs(self, data: BatchedDataDict) -> None:
+        """Non-finite returns or old values on loss-carrying tokens, on any rank: every rank raises
+        before anything is computed, so no rank waits in a collective for one that gave up."""
+        mask = data["token_mask"] > 0
+        bad = torch.tensor([float((~torch.isfinite(data[k].float()) & mask).sum()) for k in ("returns", "values")],
+                           dtype=torch.float64)
+        bad = self._reduce(bad)
+        if bad.any():
+            what = ", ".join(f"{int(n)} {k} token(s)" for k, n in zip(("returns", "old values"), bad.tolist()) if n)
+            raise RuntimeError(f"critic: non-finite training targets ({what} on loss-carrying tokens); "
+                               "refusing to train the critic on them (weights left unchanged)")
+
+    def train(self, data: BatchedDataDict, *, global_batch_size: int,
+              micro_batch_size: int | None = None) -> dict[str, float]:
+        """``ppo_epochs`` passes over this worker's shard, one optimizer step per global batch
+        (``global_batch_size`` samples over all ranks, split evenly)."""
+        if missing := [k for k in _TRAIN_KEYS if k not in data]:
+            raise KeyError(f"CriticWorker.train needs keys {list(_TRAIN_KEYS)}; missing {missing}")
+        gbs = global_batch_size // self.world_size
+        if gbs == 0 or data.size % gbs:
+            raise ValueError(f"critic worker shard of {data.size} samples is not a multiple of the per-worker "
+                             f"global batch {gbs} (critic.train_global_batch_size / world size)")
+        mbs = max(1, min(micro_batch_size or self.cfg.train_micro_batch_size, gbs))
+        self._check_inputs(data)
+        self.model.train()
+        steps: list[dict[str, float]] = []
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, data.size, gbs):
+                steps.append(self._train_global_batch(data.slice(start, start + gbs), mbs))
+        out = {k: _nanmean([s[k] for s in steps]) for k in steps[0]} if steps else {}
+        out["num_optimizer_steps"] = float(len(steps))
+        return out
+
+    def _train_global_batch(self, gb: BatchedDataDict, mbs: int) -> dict[str, float]:
+        mask_all = (gb["token_mask"] > 0).float()
+        # The loss is a mean over the global batch's loss tokens on all ranks: each micro-batch adds
+        # its token sum divided by that global count, so neither the micro-batch cut nor the split
+        # over ranks changes the gradient.
+        global_toks = float(self._reduce(torch.tensor([float(mask_all.sum())], dtype=torch.float64))[0])
+        denom = max(global_toks, 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(3, dtype=torch.float64)  # value loss, clipped tokens, values
+        flags = torch.zeros(len(_FLAG_NAMES), dtype=torch.float64)
+        coef = self.cfg.value_loss_coef
+        for _, mb in gb.make_length_sorted_microbatch_iterator(mbs):
+            mask = (mb["token_mask"] > 0).float().to(self.device)
+            values = self._values(mb["input_ids"], mb["input_lengths"])
+            w = values.shape[1]
+            old = mb["values"][:, :w].float().to(self.device)
+            ret = mb["returns"][:, :w].float().to(self.device)
+            mask = mask[:, :w]
+            tok_loss, tok_clipped = clipped_value_loss_terms(values, old, ret, mask, self.cfg.cliprange_value)
+            loss = tok_loss.sum() / denom
+            if not bool(torch.isfinite(torch.where(mask > 0, values, torch.zeros_like(values))).all()):
+                flags[0] += 1
+            if not bool(torch.isfinite(loss)):
+                flags[1] += 1
+            # Gradients are averaged over ranks (FSDP's reduce-scatter, or the all-reduce below):
+            # scaling by the world size makes the result the gradient of the global token mean.
+            (loss * coef * self.world_size).backward()
+            sums += torch.tensor([float(loss.detach()), float(tok_clipped.sum()) / denom,
+                                  float((values.detach() * mask).sum()) / denom], dtype=torch.float64)
+        if self.world_size > 1 and not self.sharded:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if self.device.type == "cuda" else dist.ReduceOp.SUM)
+                    if self.device.type != "cuda":  # gloo has no AVG
+                        p.grad.div_(self.world_size)
+        grad_norm = self._clip_grads()
+        if not math.isfinite(grad_norm):
+            flags[2] += 1
+        flags = self._reduce(flags)
+        if flags.any():
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reshard()
+            what = ", ".join(n for n, f in zip(_FLAG_NAMES, flags.tolist()) if f)
+            raise RuntimeError(f"critic: non-finite {what} in a training step; the optimizer step was skipped "
+                               "and the critic's weights are unchanged")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        sums = self._reduce(sums)
+        nan = math.nan
+        # No loss-carrying token in the global batch: the loss (a sum) is 0, the means undefined (NaN).
+        return {"value_loss": float(sums[0]),
+                "vf_clipfrac": float(sums[1]) if global_toks else nan,
+                "values_mean": float(sums[2]) if global_toks else nan,
+                "grad_norm": grad_norm, "lr": float(lr)}
+
+    def _clip_grads(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self._reshard()
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Weights (``save_pretrained`` layout: ``from_pretrained`` of the token-classification
+        class loads them), optimizer and scheduler state; every rank calls it, rank 0 writes."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        out = Path(path)
+        sd = self._full_state_dict()
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if isinstance(self.model, TrunkWithValueHead):
+                save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "critic.safetensors"))
+                self.model.config.save_pretrained(out)
+            else:
+                self.model.save_pretrained(out, state_dict=sd, safe_serialization=True)
+            torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, out / "optimizer.pt")
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Exactly the checkpoint's weights (an error names missing and unexpected ones), and its
+        optimizer and scheduler state."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        p = Path(path)
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{p}: no *.safetensors weights in the critic checkpoint")
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        self._reshard()
+        expected = set(self.model.state_dict())
+        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise RuntimeError(f"{p}: the checkpoint's weights do not match the critic: missing {missing[:10]}, "
+                               f"unexpected {unexpected[:10]}")
+        opts = StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(self.model, sd, options=opts)
+        if (p / "optimizer.pt").exists():
+            st = torch.load(p / "optimizer.pt", weights_only=True, map_location="cpu")
+            set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
+            self.scheduler.load_state_dict(st["scheduler"])
+
+    def weights_checksum(self) -> str:
+        """sha256 over the full state dict (name, dtype, shape and bytes of every tensor)."""
+        return named_checksum(self._full_state_dict().items())
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _nanmean(xs: list[float]) -> float:
+    vals = [x for x in xs if not math.isnan(x)]
+    return sum(vals) / len(vals) if vals else math.nan

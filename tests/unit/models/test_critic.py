@@ -1,0 +1,200 @@
+"""The PPO critic (value model) over real gloo workers in the session's local Ray, on the tiny Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _nl_model_test_helpers import tokenized
+from pydantic import ValidationError
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.models.critic import CriticConfig
+from nemo_like.models.critic.critic import Critic
+from nemo_like.models.critic.worker import clipped_value_loss_terms
+from nemo_like.models.policy import PolicyConfig
+
+CLIP = 0.05
+
+
+def _policy_cfg(model_dir) -> PolicyConfig:
+    return PolicyConfig(model_name=model_dir, train_global_batch_size=4, train_micro_batch_size=2)
+
+
+def _critic_cfg(**kw) -> CriticConfig:
+    base = dict(optimizer={"lr": 1e-3}, cliprange_value=CLIP, train_global_batch_size=4, train_micro_batch_size=2,
+                forward_micro_batch_size=2)
+    return CriticConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = RayVirtualCluster(1, cpus_per_worker=1)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def critic(cluster, model_dir):
+    c = Critic(cluster, _critic_cfg(), _policy_cfg(model_dir), seed=0)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = tokenized(tok, ["12+34=46", "1+1=2", "999+1=1000 ok", "7+8=15!"])
+    ar = torch.arange(data["input_ids"].shape[1])
+    # Loss on every token from the third on (a stand-in for the response).
+    data["token_mask"] = ((ar[None] >= 2) & (ar[None] < data["input_lengths"][:, None])).float()
+    return data
+
+
+def _train_data(batch, values, returns) -> BatchedDataDict:
+    return BatchedDataDict(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"],
+                           token_mask=batch["token_mask"], values=values, returns=returns)
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ValidationError, match="critic.cliprange_value"):
+        CriticConfig(cliprange_value=0)
+    with pytest.raises(ValidationError, match="critic.ppo_epochs"):
+        CriticConfig(ppo_epochs=0)
+    with pytest.raises(ValidationError, match="critic.train_micro_batch_size"):
+        CriticConfig(train_micro_batch_size=8, train_global_batch_size=4)
+    with pytest.raises(ValidationError):
+        CriticConfig(unknown_key=1)
+    assert CriticConfig().optimizer.lr == 1e-5
+
+
+def test_values_are_shifted_and_zero_on_padding(critic, batch, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    values = critic.compute_values(batch)["values"]
+    assert values.shape == batch["input_ids"].shape and values.dtype == torch.float32
+    # The worker's weights, in this process: the checkpoint is a plain HF token-classification folder.
+    critic.save_checkpoint(str(tmp_path / "ckpt"))
+    ref = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "ckpt"), num_labels=1).eval()
+    lengths = batch["input_lengths"]
+    for i in range(batch.size):
+        n = int(lengths[i])
+        with torch.no_grad():
+            head = ref(input_ids=batch["input_ids"][i : i + 1, :n]).logits[0, :, 0]
+        assert torch.allclose(values[i, 1:n], head[: n - 1], atol=1e-5)
+        assert values[i, 0] == 0 and (values[i, n:] == 0).all()
+    # Row i's values do not depend on its batch mates (micro-batching, padding).
+    alone = critic.compute_values(batch.select_indices([1]))["values"]
+    assert torch.allclose(alone[0, : int(lengths[1])], values[1, : int(lengths[1])], atol=1e-5)
+
+
+def test_clipped_value_loss_through_the_worker(critic, batch):
+    v = critic.compute_values(batch)["values"]
+    mask = batch["token_mask"]
+    # Rows 0-1: old values 1 above the current ones, returns 1 below: the clipped value (old - CLIP)
+    # is farther from the return than the unclipped one, so the clipped term wins. Rows 2-3: old = v,
+    # the two terms are equal (not counted as clipped).
+    old = v.clone()
+    old[:2] += 1.0
+    returns = v - 1.0
+    m = critic.train(_train_data(batch, old, returns))
+    rows01 = mask[:2].sum()
+    assert m["num_optimizer_steps"] == 1
+    assert m["vf_clipfrac"] == pytest.approx(float(rows01 / mask.sum()), abs=1e-6)
+    expected = (0.5 * (1.0 + 1.0 - CLIP) ** 2 * rows01 + 0.5 * 1.0 * mask[2:].sum()) / mask.sum()
+    assert m["value_loss"] == pytest.approx(float(expected), rel=1e-4)
+    terms, clipped = clipped_value_loss_terms(v, old, returns, mask, CLIP)
+    assert m["value_loss"] == pytest.approx(float(terms.sum() / mask.sum()), rel=1e-4)
+    assert m["values_mean"] == pytest.approx(float((v * mask).sum() / mask.sum()), abs=1e-5)
+    assert m["lr"] == pytest.approx(1e-3) and m["grad_norm"] > 0
+
+
+def test_training_on_a_fixed_target_lowers_the_loss(critic, batch):
+    returns = torch.ones_like(batch["token_mask"])
+    losses = []
+    for _ in range(6):
+        v = critic.compute_values(batch)["values"]
+        losses.append(critic.train(_train_data(batch, v, returns))["value_loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_non_finite_returns_raise_and_leave_the_weights(critic, batch):
+    before = critic.weights_checksum()
+    v = critic.compute_values(batch)["values"]
+    returns = torch.zeros_like(v)
+    returns[1, 3] = float("nan")  # a loss-carrying token
+    with pytest.raises(RuntimeError, match="critic") as e:
+        critic.train(_train_data(batch, v, returns))
+    assert "non-finite" in str(e.value) and "returns" in str(e.value)
+    assert critic.weights_checksum() == before
+    # NaN where no loss is carried (padding) is ignored.
+    returns = torch.zeros_like(v)
+    returns[batch["token_mask"] == 0] = float("nan")
+    assert torch.isfinite(torch.tensor(critic.train(_train_data(batch, v, returns))["value_loss"]))
+
+
+def test_checkpoint_round_trip_resumes_exactly(critic, batch, tmp_path):
+    v0 = critic.compute_values(batch)["values"]
+    data = _train_data(batch, v0, v0 + 0.3)
+    critic.save_checkpoint(str(tmp_path / "c"))
+    saved = critic.weights_checksum()
+    critic.train(data)
+    after_one = critic.weights_checksum()
+    critic.train(data)
+    assert critic.weights_checksum() != after_one
+    critic.load_checkpoint(str(tmp_path / "c"))
+    assert critic.weights_checksum() == saved
+    # Optimizer moments and scheduler resume too: the same step lands on the same weights.
+    critic.train(data)
+    assert critic.weights_checksum() == after_one
+
+
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "allreduce"])
+def test_two_rank_update_equals_one_rank_update(critic, batch, model_dir, tmp_path, fsdp):
+    """FSDP2's reduce-scatter or, with fsdp off, the worker's own gradient all-reduce."""
+    critic.save_checkpoint(str(tmp_path / "start"))
+    data = BatchedDataDict.from_batches([batch, batch.select_indices([3, 2, 1, 0])])  # 8 rows: 2 global batches
+    v0 = critic.compute_values(data)["values"]
+    train_data = _train_data(data, v0, v0 * 0.5 + torch.linspace(-1, 1, data["input_ids"].shape[1]))
+    one = critic.train(train_data)
+    one_values = critic.compute_values(data)["values"]
+    assert one["num_optimizer_steps"] == 2
+
+    cluster2 = RayVirtualCluster(2, cpus_per_worker=1)
+    try:
+        # Different micro-batches (1 per rank) than the one-rank run (2): the update must not change.
+        two_critic = Critic(cluster2, _critic_cfg(train_micro_batch_size=1, fsdp=fsdp), _policy_cfg(model_dir), seed=1,
+                            name_prefix="critic2")
+        try:
+            two_critic.load_checkpoint(str(tmp_path / "start"))
+            assert torch.allclose(two_critic.compute_values(data)["values"], v0, atol=1e-6)
+            two = two_critic.train(train_data)
+            two_values = two_critic.compute_values(data)["values"]
+        finally:
+            two_critic.shutdown()
+    finally:
+        cluster2.shutdown()
+    assert (two_values - one_values).abs().max() < 1e-5
+    for k in ("value_loss", "vf_clipfrac", "values_mean", "grad_norm", "num_optimizer_steps"):
+        assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "granite"])
+def test_value_model_loads_without_dropout(model_type, tmp_path):
+    """Qwen2 has a token-classification class; Granite has none and gets the trunk + linear head."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nemo_like.models.critic.worker import TrunkWithValueHead, load_value_model
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=64, attention_dropout=0.1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model, new = load_value_model(str(tmp_path))
+    assert {"score.weight", "score.bias"} <= set(new)
+    assert isinstance(model, TrunkWithValueHead) == (model_type == "granite")
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert model.config.attention_dropout == 0
+    out = model(input_ids=torch.tensor([[1, 2, 3, 4]]), attention_mask=torch.ones(1, 4, dtype=torch.long)).logits
+    assert out.shape == (1, 4, 1)
