@@ -440,7 +440,8 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
             m = trainer.step()
             results.append(m)
             bar.update(1)
-            bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}", loss=f"{m.get('train/loss', float('nan')):.4f}")
+            bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}",
+                            loss="critic warm-up" if "critic/warmup" in m else f"{m.get('train/loss', float('nan')):.4f}")
     if cfg.val_at_end and not (cfg.val_period and trainer.step_count % cfg.val_period == 0) and results:
         trainer.validate(log=True)
     if (trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period
