@@ -12,8 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nemo_like.algorithms.advantages import get_advantage_estimator
+from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import get_loss_fn
+from nemo_like.algorithms.trajectory_loss import VALUE_LOSS_KEYS, ValueLossConfig
 from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_defaults
 from nemo_like.environments.step_environment import check_step_env_name
 from nemo_like.models.agent import AgentPolicyConfig
@@ -55,8 +56,13 @@ class StepEnvConfig(_Strict):
 class TrajectoryGRPOConfig(_Strict):
     group_size: int = Field(8, ge=2)  # K trajectories from one reset seed
     num_groups_per_step: int = Field(8, ge=1)
-    advantage: str = "mean_std"  # any registered advantage estimator ("mean", "mean_std", "rloo", ...)
+    # "mean", "mean_std", "rloo", ...: group-relative, on episode returns. "gae": per step, with the
+    # network's value head as the critic (trained by loss_fn.vf_coef's value term), gamma and lam below.
+    advantage: str = "mean_std"
     adv_eps: float = Field(1e-6, ge=0)
+    gamma: float = Field(0.99, ge=0, le=1)  # gae only: discount
+    lam: float = Field(0.95, ge=0, le=1)  # gae only: GAE's lambda
+    whiten_advantages: bool = True  # gae only: advantages whitened over the batch's real steps
     update_epochs: int = Field(2, ge=1)
     num_minibatches: int = Field(1, ge=1)  # optimizer steps per epoch (groups are split, never a trajectory)
     ref_sync_every: int = Field(10, ge=1)  # refresh the frozen reference every N updates (if ref_kl_coef > 0)
@@ -73,7 +79,13 @@ class TrajectoryGRPOConfig(_Strict):
     @field_validator("advantage")
     @classmethod
     def _estimator(cls, value: str) -> str:
-        return _known(value, get_advantage_estimator)
+        _known(value, get_advantage_estimator)
+        # Inputs the gym trainer can give: episode returns (every group-relative estimator), and for
+        # gae per-step rewards and the value head's values. Others (remax's greedy rewards) it cannot.
+        if value != "gae" and estimator_needs(value):
+            raise ValueError(f"{value!r} needs {', '.join(estimator_needs(value))}, which the gym trainer does "
+                             "not provide; use gae or a group-relative estimator (mean, mean_std, rloo, ...)")
+        return value
 
 
 class GymClusterConfig(_Strict):
@@ -85,7 +97,8 @@ class GymMasterConfig(_Strict):
     env: StepEnvConfig = Field(default_factory=StepEnvConfig)
     policy: AgentPolicyConfig = Field(default_factory=AgentPolicyConfig)
     grpo: TrajectoryGRPOConfig = Field(default_factory=TrajectoryGRPOConfig)
-    # {name: <registered loss>, ...its options}; trajectory_pg takes ent_coef and ref_kl_coef.
+    # {name: <registered loss>, ...its options}; trajectory_pg takes ent_coef and ref_kl_coef. With
+    # grpo.advantage=gae also vf_coef and cliprange_value (the value term, added to any policy loss).
     loss_fn: dict[str, Any] = Field(default_factory=lambda: {"name": "trajectory_pg"})
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(
@@ -105,7 +118,11 @@ class GymMasterConfig(_Strict):
     def _loss(cls, value: dict[str, Any]) -> dict[str, Any]:
         value = dict(value)
         name = value.setdefault("name", "trajectory_pg")
-        options = {k: v for k, v in value.items() if k != "name"}
+        try:
+            ValueLossConfig.model_validate({k: value[k] for k in VALUE_LOSS_KEYS if k in value})
+        except ValidationError as e:
+            raise ValueError(format_validation_error(e)) from None
+        options = {k: v for k, v in value.items() if k != "name" and k not in VALUE_LOSS_KEYS}
         try:
             get_loss_fn(name, options)
         except KeyError as e:
@@ -123,10 +140,21 @@ class GymMasterConfig(_Strict):
         if self.grpo.num_minibatches > self.grpo.num_groups_per_step:
             raise ValueError(f"grpo.num_minibatches ({self.grpo.num_minibatches}) is more than "
                              f"grpo.num_groups_per_step ({self.grpo.num_groups_per_step}): a minibatch is whole groups")
+        if self.grpo.advantage != "gae" and (keys := [k for k in VALUE_LOSS_KEYS if k in self.loss_fn]):
+            # Only GAE gives the value head returns to regress on: the key would be silently ignored.
+            raise ValueError(f"loss_fn.{keys[0]} trains the value head, which only grpo.advantage=gae uses "
+                             f"(grpo.advantage is {self.grpo.advantage!r}): remove it or set grpo.advantage=gae")
         return self
 
     def loss_options(self) -> dict[str, Any]:
-        return {k: v for k, v in self.loss_fn.items() if k != "name"}
+        """The options of the policy loss (``loss_fn`` less its name and the value term's keys)."""
+        return {k: v for k, v in self.loss_fn.items() if k != "name" and k not in VALUE_LOSS_KEYS}
+
+    def value_loss(self) -> ValueLossConfig | None:
+        """The value term's settings when the value head is trained (grpo.advantage=gae), else None."""
+        if self.grpo.advantage != "gae":
+            return None
+        return ValueLossConfig.model_validate({k: self.loss_fn[k] for k in VALUE_LOSS_KEYS if k in self.loss_fn})
 
 
 def validate_gym_config(cfg: dict) -> GymMasterConfig:

@@ -5,7 +5,15 @@ one prompt). Each trajectory is reduced to its return ``R_i = sum_t r_{i,t}``; t
 advantage estimator (``grpo.advantage``: ``mean`` or ``mean_std``) makes it group-relative; the
 registered loss (``loss_fn.name``, by default ``trajectory_pg``) is REINFORCE on the whole trajectory,
 ``-mean_i A_i sum_t log pi(a_t | s_t)``, recomputed with the live weights for ``update_epochs``
-passes. No value function, no GAE: the value head of the network is not trained.
+passes. The value head of the network is not trained then.
+
+``grpo.advantage: gae`` is PPO with a critic instead: the network's value head gives V(s_t) (before
+the update, no gradient), GAE (``grpo.gamma``, ``grpo.lam``) turns each trajectory's per-step rewards
+into per-step advantages (whitened over the batch's real steps unless ``grpo.whiten_advantages`` is
+off) and returns, and ``loss_fn.vf_coef * clipped_value_loss`` is added to the policy loss in the same
+backward pass, as SB3's PPO does (here both heads also share the trunk; SB3's MlpPolicy gives each its
+own 64x64 MLP). Groups still structure collection (K episodes
+per reset seed) but play no part in the advantages.
 
 Collectors are Ray actors (nemo_like.experience.step_collector) that act with the weights of the
 latest update (pushed at the start of every step, checked by version); the learner runs here.
@@ -28,19 +36,21 @@ from tqdm.auto import tqdm
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import get_loss_fn
+from nemo_like.algorithms.ppo_terms import compute_gae, explained_variance, masked_mean, masked_whiten
+from nemo_like.algorithms.trajectory_loss import value_loss_term
 from nemo_like.config import ConfigError
 from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-from nemo_like.environments.step_environment import make_step_env
+from nemo_like.environments.step_environment import ObsSpec, make_step_env
 from nemo_like.environments.supervision import EnvironmentStartError
 from nemo_like.experience.step_collector import CollectorGroup, Trajectory
 from nemo_like.gym_config import GymMasterConfig
-from nemo_like.models.agent import ObsBatch, build_network, obs_index
+from nemo_like.models.agent import ObsBatch, build_network, obs_index, obs_to_tensor
 from nemo_like.utils.checkpoint import CheckpointManager, training_info
 from nemo_like.utils.checkpoint_io import CheckpointError, load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.timer import Timer
 
-__all__ = ["GymGRPOTrainer", "VAL_SEED_BASE", "gym_grpo_train", "setup_gym", "step_seeds"]
+__all__ = ["GymGRPOTrainer", "VAL_SEED_BASE", "gym_grpo_train", "setup_gym", "step_seeds", "trajectory_gae"]
 
 # Training reset seeds are drawn from [0, VAL_SEED_BASE); validation uses VAL_SEED_BASE + i, so a
 # held-out seed is never trained on.
@@ -54,12 +64,37 @@ def step_seeds(seed: int, step: int, n: int, round_: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, step, round_]).integers(0, VAL_SEED_BASE, size=n)
 
 
-def policy_logprobs(net: nn.Module, obs: ObsBatch, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-step ``log pi(a_t | s_t)`` and the policy's entropy at ``s_t``, both [N], with gradient."""
-    logits, _ = net(obs)
+def policy_forward(net: nn.Module, obs: ObsBatch, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-step ``log pi(a_t | s_t)``, the policy's entropy at ``s_t`` and the value head's ``V(s_t)``,
+    all [N], with gradient (one forward pass for both heads)."""
+    logits, value = net(obs)
     logp = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(logp.exp() * logp).sum(dim=-1)
-    return logp.gather(-1, actions[:, None]).squeeze(-1), entropy
+    return logp.gather(-1, actions[:, None]).squeeze(-1), entropy, value
+
+
+def policy_logprobs(net: nn.Module, obs: ObsBatch, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step ``log pi(a_t | s_t)`` and the policy's entropy at ``s_t``, both [N], with gradient."""
+    return policy_forward(net, obs, actions)[:2]
+
+
+def trajectory_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor, *,
+                   gamma: float, lam: float, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over whole episodes: ``rewards``, ``values`` (V(s_t) before the update) and ``mask`` (1 on
+    real steps) [B, T]; ``bootstrap`` [B] is the value past each episode's last step: 0 for a terminated
+    episode, V(s_T) for a truncated one whose final observation is known. Returns ``(advantages,
+    returns)`` [B, T], 0 off the mask; ``returns = advantages + values`` (before whitening) are the
+    value head's targets; the advantages are whitened over the mask's steps when ``whiten``.
+
+    ``compute_gae`` takes the value past the last step as 0; ``gamma * bootstrap`` added to the last
+    reward gives exactly ``delta_T = r_T + gamma * V(s_T) - V(s_{T-1})`` (SB3's PPO does the same on
+    truncation)."""
+    last = (mask.bool() & (mask.flip(1).cumsum(1).flip(1) == 1)).to(rewards.dtype)
+    rewards = rewards + gamma * bootstrap.to(rewards.dtype)[:, None] * last
+    adv, returns = compute_gae(rewards, values, mask, gamma=gamma, lam=lam)
+    if whiten:
+        adv = masked_whiten(adv, mask)
+    return adv, returns
 
 
 @dataclass
@@ -72,6 +107,7 @@ class _Batch:
     pos: torch.Tensor  # [N] step index within its trajectory
     lengths: torch.Tensor  # [B]
     gen_logprobs: torch.Tensor  # [B, T]
+    rewards: torch.Tensor  # [B, T], 0 past each trajectory's end
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory]) -> _Batch:
@@ -84,8 +120,9 @@ class _Batch:
             obs = torch.from_numpy(np.concatenate([t.obs for t in trajs]))
         actions = torch.from_numpy(np.concatenate([t.actions for t in trajs]))
         gen = torch.from_numpy(np.concatenate([t.logprobs for t in trajs]))
-        batch = cls(obs, actions, traj, pos, lengths, gen)
-        batch.gen_logprobs = batch.pad(gen)
+        rewards = torch.from_numpy(np.concatenate([np.asarray(t.rewards, dtype=np.float32) for t in trajs]))
+        batch = cls(obs, actions, traj, pos, lengths, gen, rewards)
+        batch.gen_logprobs, batch.rewards = batch.pad(gen), batch.pad(rewards)
         return batch
 
     def pad(self, flat: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +140,9 @@ class _Batch:
         steps = torch.nonzero(remap[self.traj] >= 0).squeeze(-1)
         return steps, remap[self.traj[steps]], self.pos[steps]
 
-    def mask(self, rows: torch.Tensor) -> torch.Tensor:
-        lengths = self.lengths[rows]
+    def mask(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(rows), T_rows] (every trajectory when ``rows`` is None): 1 on real steps."""
+        lengths = self.lengths if rows is None else self.lengths[rows]
         return (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).float()
 
 
@@ -146,23 +184,29 @@ class GymGRPOTrainer:
             if groups:
                 self._empty_steps = 0
                 trajs = [t for grp in groups for t in grp]
-                # 4. Group-relative advantages of the returns.
-                with timer.time("advantages"):
-                    returns = torch.tensor([t.ret for t in trajs], dtype=torch.float64)
-                    group_ids = torch.repeat_interleave(torch.arange(len(groups)), g.group_size)
-                    adv = get_advantage_estimator(g.advantage)(returns, group_ids, config=g).float()
                 batch = _Batch.from_trajectories(trajs)
+                # 4. Advantages: group-relative on episode returns ([B]), or with gae per step ([B, T])
+                #    from the value head, which gets returns to regress on (critic).
+                with timer.time("advantages"):
+                    if g.advantage == "gae":
+                        adv, critic = self._gae(batch, trajs)
+                        metrics.update(self._critic_stats(batch, critic))
+                    else:
+                        returns = torch.tensor([t.ret for t in trajs], dtype=torch.float64)
+                        group_ids = torch.repeat_interleave(torch.arange(len(groups)), g.group_size)
+                        adv, critic = get_advantage_estimator(g.advantage)(returns, group_ids, config=g).float(), None
                 # 5. Reference log-probs (only when the KL term is on) and the pre-update ones (a loss
                 #    with a ratio, such as clipped_pg, needs them; trajectory_pg does not).
                 with timer.time("reference"):
                     fixed = self._fixed_logprobs(batch)
-                # 6. update_epochs passes of minibatches of whole groups.
+                # 6. update_epochs passes of minibatches of whole groups (policy loss, plus the value
+                #    term when the value head is trained).
                 with timer.time("train"):
-                    metrics.update(self._train(batch, adv, fixed, len(groups)))
+                    metrics.update(self._train(batch, adv, fixed, len(groups), critic))
                 # 7. Refresh the frozen reference every ref_sync_every updates.
                 if self.ref_net is not None and (self.step_count + 1) % g.ref_sync_every == 0:
                     self.ref_net.load_state_dict(self.net.state_dict())
-                metrics.update(self._train_stats(groups, adv))
+                metrics.update(self._train_stats(groups, adv, batch))
             else:
                 self._empty_steps += 1
                 if self._empty_steps >= g.max_empty_steps:
@@ -214,6 +258,38 @@ class GymGRPOTrainer:
         stats["train/groups_incomplete"] = float(len(kept) - len(complete))
         return complete, stats
 
+    def _gae(self, batch: _Batch, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-step advantages [B, T] and ``{"values": V_old, "returns": R}`` [B, T] for the value term.
+
+        The value past an episode's last step is 0 when it terminated. When it was truncated (time
+        limit, the collector's step cap) the episode would have gone on, so, as SB3 does, it is
+        bootstrapped with V(final observation) -- if the trajectory carries that observation
+        (``final_obs``). The collector's Trajectory does not store it today (``obs`` holds the T
+        observations that chose the actions, not the one after the last step), so truncated
+        episodes get 0 as well: on CartPole that treats the 500-step limit as an end, underestimating
+        the values of its last ~1/(1-gamma) steps."""
+        g = self.config.grpo
+        mask = batch.mask()
+        with torch.no_grad():
+            values = batch.pad(self.net(batch.obs)[1].float())
+            bootstrap = torch.zeros(len(trajs))
+            finals = [(i, t.final_obs) for i, t in enumerate(trajs)
+                      if t.truncated and not t.terminated and getattr(t, "final_obs", None) is not None]
+            if finals:
+                rows = torch.tensor([i for i, _ in finals])
+                bootstrap[rows] = self.net(obs_to_tensor([o for _, o in finals]))[1].float()
+        adv, returns = trajectory_gae(batch.rewards, values, mask, bootstrap, gamma=g.gamma, lam=g.lam,
+                                      whiten=g.whiten_advantages)
+        return adv.float(), {"values": values, "returns": returns.float()}
+
+    @staticmethod
+    def _critic_stats(batch: _Batch, critic: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The value head before this update against the returns it is trained toward, over real steps."""
+        mask = batch.mask()
+        return {"critic/vf_explained_var": explained_variance(critic["values"], critic["returns"], mask),
+                "critic/values_mean": float(masked_mean(critic["values"], mask)),
+                "critic/returns_mean": float(masked_mean(critic["returns"], mask))}
+
     def _fixed_logprobs(self, batch: _Batch) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -226,9 +302,12 @@ class GymGRPOTrainer:
                 out.setdefault("reference_policy_logprobs", out["prev_logprobs"])
         return out
 
-    def _train(self, batch: _Batch, adv: torch.Tensor, fixed: dict[str, torch.Tensor], n_groups: int) -> dict[str, float]:
+    def _train(self, batch: _Batch, adv: torch.Tensor, fixed: dict[str, torch.Tensor], n_groups: int,
+               critic: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         g, k = self.config.grpo, self.config.grpo.group_size
+        value_cfg = self.config.value_loss() if critic is not None else None
         sums: dict[str, float] = {}
+        critic_sums: dict[str, float] = {}
         n_updates = 0
         first_mismatch = None
         for epoch in range(g.update_epochs):
@@ -237,16 +316,24 @@ class GymGRPOTrainer:
             for chunk in torch.tensor_split(order, min(g.num_minibatches, n_groups)):
                 rows = (chunk[:, None] * k + torch.arange(k)[None, :]).flatten()
                 steps, _, _ = batch.select(rows)
-                lp, ent = policy_logprobs(self.net, obs_index(batch.obs, steps), batch.actions[steps])
+                lp, ent, value = policy_forward(self.net, obs_index(batch.obs, steps), batch.actions[steps])
                 curr = batch.pad(lp, rows)
                 mask = batch.mask(rows)
-                gen = batch.gen_logprobs[rows][:, : curr.shape[1]]
+                width = curr.shape[1]
+                gen = batch.gen_logprobs[rows][:, :width]
                 if first_mismatch is None:  # the collectors acted with these very weights: ~0
                     first_mismatch = float(((curr.detach() - gen).abs() * mask).sum() / mask.sum())
-                data = {"advantages": adv[rows], "token_mask": mask, "generation_logprobs": gen,
+                mb_adv = adv[rows] if adv.dim() == 1 else adv[rows][:, :width]
+                data = {"advantages": mb_adv, "token_mask": mask, "generation_logprobs": gen,
                         "entropy": batch.pad(ent, rows),
-                        **{name: v[rows][:, : curr.shape[1]] for name, v in fixed.items()}}
+                        **{name: v[rows][:, :width] for name, v in fixed.items()}}
                 loss, m = self.loss_fn(curr, data, float(len(rows)), float(mask.sum()))
+                if critic is not None and value_cfg is not None:  # one backward pass through the shared trunk
+                    vf_loss, vm = value_loss_term(batch.pad(value.float(), rows), critic["values"][rows][:, :width],
+                                                  critic["returns"][rows][:, :width], mask, value_cfg)
+                    loss = loss + vf_loss
+                    for name, v in vm.items():
+                        critic_sums[name] = critic_sums.get(name, 0.0) + v
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 max_norm = self.config.policy.max_grad_norm
@@ -258,18 +345,20 @@ class GymGRPOTrainer:
                     if name not in ("num_valid_seqs", "num_valid_tokens"):
                         sums[name] = sums.get(name, 0.0) + float(v)
         out = {f"train/{name}": v / n_updates for name, v in sums.items()}
+        out.update({f"critic/{name}": v / n_updates for name, v in critic_sums.items()})
         out["train/logprob_mismatch"] = first_mismatch or 0.0
         out["train/optimizer_steps"] = float(n_updates)
         return out
 
-    def _train_stats(self, groups: list[list[Trajectory]], adv: torch.Tensor) -> dict[str, float]:
+    def _train_stats(self, groups: list[list[Trajectory]], adv: torch.Tensor, batch: _Batch) -> dict[str, float]:
         trajs = [t for grp in groups for t in grp]
+        adv_abs = adv.abs().mean() if adv.dim() == 1 else masked_mean(adv.abs(), batch.mask())
         returns = np.array([t.ret for t in trajs])
         flat = sum(1 for grp in groups if len({t.ret for t in grp}) == 1)
         return {"train/return_mean": float(returns.mean()), "train/return_max": float(returns.max()),
                 "train/return_min": float(returns.min()),
                 "train/episode_length_mean": float(np.mean([t.length for t in trajs])),
-                "train/advantage_abs_mean": float(adv.abs().mean()),
+                "train/advantage_abs_mean": float(adv_abs),
                 "train/zero_std_groups": float(flat),
                 "train/policy_version_lag": float(self.step_count - min(t.policy_version for t in trajs))}
 
@@ -392,6 +481,26 @@ def check_gym_resume_compatible(cfg: GymMasterConfig, checkpoint: Path) -> None:
                               "or another checkpoint_dir for a new run")
 
 
+def check_value_head(net: nn.Module, spec: ObsSpec, cfg: GymMasterConfig) -> None:
+    """ConfigError unless ``net(obs)`` returns a value [N] next to the logits: grpo.advantage=gae
+    trains the value head as its critic."""
+    def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(2, *shape)
+
+    if spec.image_shape is not None and spec.vector_dim:
+        obs: ObsBatch = {"image": zeros(spec.image_shape), "vector": zeros((spec.vector_dim,))}
+    else:
+        obs = zeros(spec.image_shape) if spec.image_shape is not None else zeros((spec.vector_dim,))
+    with torch.no_grad():
+        out = net(obs)
+    value = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+    if not isinstance(value, torch.Tensor) or value.shape != (2,):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(f"grpo.advantage=gae trains the network's value head, but policy.network="
+                          f"{cfg.policy.network!r} returns no value [N] next to its logits (got {got}): use a "
+                          "network with a value head (mlp, cnn) or a group-relative grpo.advantage (mean_std)")
+
+
 def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer:
     """Start (or join) Ray, the collectors, the network and its optimizer, the logger and the
     checkpointer; resume from the latest checkpoint in checkpoint_dir."""
@@ -422,6 +531,8 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
         net = build_network(spec, cfg.policy, seed=cfg.grpo.seed)
     except ValueError as e:
         raise ConfigError(f"policy.network={cfg.policy.network!r} for {cfg.env.id!r}: {e}") from None
+    if cfg.grpo.advantage == "gae":
+        check_value_head(net, spec, cfg)
     loss_fn = get_loss_fn(cfg.loss_fn["name"], cfg.loss_options())
     resources: list[Any] = []
 

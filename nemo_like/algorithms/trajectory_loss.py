@@ -10,6 +10,12 @@ It has the worker-facing contract of every registered loss (``loss_fn(curr_logpr
 global_valid_seqs, global_valid_toks) -> (loss, metrics)``), so a language-model run can select it
 too (tokens are its steps; ``advantages`` may be per token ``[B, T]``, and then the policy term is
 ``-sum_t A_t log pi_t``, equal to the above when A is constant along a sequence).
+
+The value term of an agent whose value head is trained (``grpo.advantage: gae``) is
+:func:`value_loss_term`: ``vf_coef * clipped_value_loss(V_new, V_old, returns, mask, cliprange_value)``,
+added by the gym trainer to whichever policy loss ``loss_fn.name`` picks, in the same backward pass
+(as SB3's PPO sums its policy and value losses; here the two heads also share the network's trunk). Its keys (``loss_fn.vf_coef``,
+``loss_fn.cliprange_value``) are not the policy loss's options.
 """
 
 from __future__ import annotations
@@ -22,8 +28,35 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_like.algorithms.loss_functions import _effective_mask, _get, _global_normalise
 from nemo_like.algorithms.pg_terms import check_2d, num_valid_seqs, token_sum
+from nemo_like.algorithms.ppo_terms import clipped_value_loss
 
-__all__ = ["TrajectoryPGLossConfig", "TrajectoryPGLossFn"]
+__all__ = ["VALUE_LOSS_KEYS", "TrajectoryPGLossConfig", "TrajectoryPGLossFn", "ValueLossConfig", "value_loss_term"]
+
+
+class ValueLossConfig(BaseModel):
+    """``loss_fn.vf_coef`` and ``loss_fn.cliprange_value`` of a gym run with ``grpo.advantage: gae``.
+
+    ``cliprange_value`` defaults to None (no clipping), as SB3's PPO (``clip_range_vf=None``) and the
+    zoo's tuned CartPole do: the targets are unnormalised discounted returns (up to ~1/(1-gamma), 50 on
+    CartPole at gamma 0.98), and a clip of 0.2 around the pre-update values would let the value move at
+    most 0.2 per update, so the critic would lag the returns for hundreds of updates. Set it for a
+    reward scale near 1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vf_coef: float = Field(0.5, ge=0, allow_inf_nan=False)
+    cliprange_value: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+VALUE_LOSS_KEYS = tuple(ValueLossConfig.model_fields)
+
+
+def value_loss_term(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                    config: ValueLossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """``vf_coef * clipped_value_loss(...)`` (differentiable w.r.t. ``values``; all [B, T], the mean over
+    the mask's steps) and its metrics ``value_loss`` (before ``vf_coef``) and ``vf_clipfrac``."""
+    loss, clipfrac = clipped_value_loss(values, old_values, returns, mask, cliprange_value=config.cliprange_value)
+    return config.vf_coef * loss, {"value_loss": float(loss.detach()), "vf_clipfrac": float(clipfrac)}
 
 
 class TrajectoryPGLossConfig(BaseModel):

@@ -177,3 +177,21 @@ def test_resume_refuses_another_runs_checkpoint_and_a_finished_run_stays_finishe
         GymGRPOExperiment(CARTPOLE, [*args, "env.id=Acrobot-v1"])
     with pytest.raises(ConfigError, match=r"policy.hidden_sizes=\[32\] but the checkpoint"):
         GymGRPOExperiment(CARTPOLE, [*args, "policy.hidden_sizes=[32]"])
+
+
+def test_ppo_with_the_value_head_as_critic_runs_on_cartpole(tmp_path, ray_session):
+    """examples/configs/ppo_cartpole.yaml (grpo.advantage=gae): the value head is trained toward the
+    GAE returns alongside the clipped policy loss."""
+    ppo = os.path.join(CONFIGS, "ppo_cartpole.yaml")
+    with GymGRPOExperiment(ppo, _overrides(tmp_path, "grpo.val_at_start=false", "checkpointing.enabled=false",
+                                           "grpo.max_num_steps=6", "grpo.val_period=0")) as exp:
+        exp.train()
+        h = [x for x in exp.trainer.history if "train/loss" in x]
+    assert len(h) == 6 and exp.trainer.ref_net is None  # reference_policy_kl_penalty 0: no reference
+    for x in h:
+        assert all(np.isfinite(x[k]) for k in ("critic/value_loss", "critic/vf_explained_var", "critic/values_mean",
+                                               "critic/returns_mean", "train/loss"))
+        assert x["critic/vf_clipfrac"] == 0.0 and x["train/optimizer_steps"] == 20
+    # The value head starts near 0 and moves toward the returns (tens, for CartPole at gamma 0.98).
+    assert h[0]["critic/values_mean"] < 1.0 < h[-1]["critic/values_mean"]
+    assert h[-1]["critic/vf_explained_var"] > h[0]["critic/vf_explained_var"]
