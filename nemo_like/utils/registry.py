@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar, overload
 
-__all__ = ["Registry", "import_from_path"]
+__all__ = ["Registry", "import_from_path", "worker_class_check"]
 
 T = TypeVar("T")
 
@@ -45,6 +45,21 @@ def import_from_path(path: str, *, what: str = "object") -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ImportError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def worker_class_check(kind: str, methods: tuple[str, ...], role: str) -> Callable[[str, Any], None]:
+    """A ``check`` for a registry of worker classes: each target is a class offering ``methods``
+    (``role`` names what such a class is, in the error)."""
+
+    def check(name: str, obj: Any) -> None:
+        if not isinstance(obj, type):
+            raise TypeError(f"{kind} {name!r}: {obj!r} is a {type(obj).__name__}, not a class "
+                            "(register a worker class or an import path 'pkg.module.ClassName')")
+        missing = [m for m in methods if not callable(getattr(obj, m, None))]
+        if missing:
+            raise TypeError(f"{kind} {name!r}: class {obj.__qualname__} lacks {missing} (a {role} needs {list(methods)})")
+
+    return check
 
 
 def _describe(target: Any) -> str:

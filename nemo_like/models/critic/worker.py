@@ -11,7 +11,6 @@ chose token t; position 0 (nothing chose it) and padding get 0.
 from __future__ import annotations
 
 import math
-import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch import nn
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.critic.config import CriticConfig
-from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
+from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.weight_export import named_checksum
 
@@ -123,17 +122,8 @@ class CriticWorker:
     def __init__(self, config: CriticConfig, policy_config: PolicyConfig, *, seed: int = 0):
         self.cfg = config
         self.policy_cfg = policy_config
-        threads = config.num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
-        torch.set_num_threads(max(1, threads))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
-        self.device = pick_device(use_cuda)
-        if use_cuda:
-            torch.cuda.set_device(self.device)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=self.rank,
-                                    world_size=self.world_size)
+        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
+        init_process_group_once(use_cuda, self.rank, self.world_size)
         # The same seed on every rank: the new head is initialised identically everywhere (and
         # broadcast from rank 0 below, in case a model's init is not deterministic).
         torch.manual_seed(seed)

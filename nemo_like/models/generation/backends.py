@@ -13,26 +13,15 @@ Imports nothing heavy: the config validates backend names before Ray starts.
 
 from __future__ import annotations
 
-from typing import Any
-
-from nemo_like.utils.registry import Registry
+from nemo_like.utils.registry import Registry, worker_class_check
 
 __all__ = ["GENERATION_BACKENDS", "WORKER_METHODS", "generation_worker_cls", "register_generation_backend"]
 
 WORKER_METHODS = ("generate", "update_weights", "weights_checksum", "policy_version", "pad_token_id")
 
 
-def _check_worker_cls(name: str, obj: Any) -> None:
-    if not isinstance(obj, type):
-        raise TypeError(f"generation backend {name!r}: {obj!r} is a {type(obj).__name__}, not a class "
-                        "(register a worker class or an import path 'pkg.module.ClassName')")
-    missing = [m for m in WORKER_METHODS if not callable(getattr(obj, m, None))]
-    if missing:
-        raise TypeError(f"generation backend {name!r}: class {obj.__qualname__} lacks {missing} "
-                        f"(a rollout worker needs {list(WORKER_METHODS)})")
-
-
-GENERATION_BACKENDS: Registry[type] = Registry("generation backend", check=_check_worker_cls, builtins={
+GENERATION_BACKENDS: Registry[type] = Registry(
+    "generation backend", check=worker_class_check("generation backend", WORKER_METHODS, "rollout worker"), builtins={
     # HF transformers in the worker: `generate` or the continuous-batching engine (policy.generation.engine).
     "hf": "nemo_like.models.generation.rollout_worker.RolloutWorker",
 })

@@ -10,9 +10,7 @@ Imports nothing heavy: the config validates backend names before Ray starts.
 
 from __future__ import annotations
 
-from typing import Any
-
-from nemo_like.utils.registry import Registry
+from nemo_like.utils.registry import Registry, worker_class_check
 
 __all__ = ["POLICY_BACKENDS", "WORKER_METHODS", "policy_worker_cls", "register_policy_backend"]
 
@@ -20,17 +18,8 @@ WORKER_METHODS = ("get_logprobs", "get_reference_policy_logprobs", "train", "sav
                   "export_merged", "weights_manifest", "export_weight_chunks", "weights_checksum")
 
 
-def _check_worker_cls(name: str, obj: Any) -> None:
-    if not isinstance(obj, type):
-        raise TypeError(f"policy backend {name!r}: {obj!r} is a {type(obj).__name__}, not a class "
-                        "(register a worker class or an import path 'pkg.module.ClassName')")
-    missing = [m for m in WORKER_METHODS if not callable(getattr(obj, m, None))]
-    if missing:
-        raise TypeError(f"policy backend {name!r}: class {obj.__qualname__} lacks {missing} "
-                        f"(a policy worker needs {list(WORKER_METHODS)})")
-
-
-POLICY_BACKENDS: Registry[type] = Registry("policy backend", check=_check_worker_cls, builtins={
+POLICY_BACKENDS: Registry[type] = Registry(
+    "policy backend", check=worker_class_check("policy backend", WORKER_METHODS, "policy worker"), builtins={
     # HF transformers under FSDP2 (or one process), CPU or CUDA; generates in the worker too.
     "hf": "nemo_like.models.policy.hf_worker.HFPolicyWorker",
     # Megatron-core GPTModel (Llama/Qwen2/Qwen3 shapes), CUDA only, optional extra nemo_like[megatron].

@@ -96,23 +96,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def setup_worker_process(num_threads: int | None) -> tuple[int, int, bool, torch.device]:
+    """What every training worker (policy or critic) does first in its process: torch threads (the
+    config's, else its CPU share, ``NEMO_LIKE_NUM_THREADS``), its rank and world size (set by
+    ``RayWorkerGroup``) and its device. Returns ``(rank, world_size, use_cuda, device)``."""
+    threads = num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
+    torch.set_num_threads(max(1, threads))
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
+    device = pick_device(use_cuda)
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return rank, world_size, use_cuda, device
+
+
+def init_process_group_once(use_cuda: bool, rank: int, world_size: int) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+
+
 class HFPolicyWorker(RefitSourceMixin):
     def __init__(self, config: PolicyConfig, *, seed: int = 0, init_reference_model: bool = True,
                  init_optimizer: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = config
-        threads = config.num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
-        torch.set_num_threads(max(1, threads))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
-        self.device = pick_device(use_cuda)
-        if use_cuda:
-            torch.cuda.set_device(self.device)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=self.rank,
-                                    world_size=self.world_size)
+        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
+        init_process_group_once(use_cuda, self.rank, self.world_size)
         torch.manual_seed(seed + self.rank)
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,

@@ -25,7 +25,6 @@ not generate, so it needs ``policy.generation.colocated: false`` (a rollout grou
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import torch.distributed as dist
 import nemo_like.models.policy.megatron_mapping as mm
 import nemo_like.models.policy.weight_export as weight_export
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, HFPolicyWorker, pick_device
+from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, HFPolicyWorker, setup_worker_process
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.lora import refuse_adapter_checkpoint
 from nemo_like.models.policy.packing import MicroBatch
@@ -117,15 +116,9 @@ class MegatronPolicyWorker(HFPolicyWorker):
         check_megatron_supported(config)
         mm.require_megatron()
         self.cfg = config
-        threads = config.num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
-        torch.set_num_threads(max(1, threads))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
-        self.device = pick_device(use_cuda)
+        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
         self._cpu_context = contextlib.ExitStack()
         if use_cuda:
-            torch.cuda.set_device(self.device)
             mm.init_model_parallel("nccl", seed=seed)
         else:
             mm.init_model_parallel("gloo")
