@@ -22,7 +22,7 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.critic.config import CriticConfig
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import PolicyConfig
-from nemo_like.models.policy.weight_export import named_checksum
+from nemo_like.models.policy.weight_export import named_checksum, read_safetensors_folder
 
 _TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "values", "returns")
 # Where the non-finite flags of a training pass are counted (see CriticWorker._check_finite).
@@ -346,7 +346,6 @@ class CriticWorker:
     def load_checkpoint(self, path: str) -> None:
         """Exactly the checkpoint's weights (an error names missing and unexpected ones), and its
         optimizer and scheduler state."""
-        from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -354,12 +353,7 @@ class CriticWorker:
         )
 
         p = Path(path)
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{p}: no *.safetensors weights in the critic checkpoint")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
+        sd = read_safetensors_folder(p, "critic checkpoint")
         self._reshard()
         expected = set(self.model.state_dict())
         missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)

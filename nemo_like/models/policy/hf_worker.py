@@ -40,6 +40,7 @@ from nemo_like.models.policy.packing import (
     plan_microbatches,
 )
 from nemo_like.models.policy.refit_source import RefitSourceMixin
+from nemo_like.models.policy.weight_export import read_safetensors_folder
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
 
 PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -483,16 +484,10 @@ class HFPolicyWorker(RefitSourceMixin):
             torch.set_rng_state(torch.load(rng, weights_only=True))
 
     def _load_full_weights(self, p: Path) -> None:
-        from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         refuse_adapter_checkpoint(p)
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{p}: no *.safetensors weights in checkpoint")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
+        sd = read_safetensors_folder(p)
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         expected = set(self.model.state_dict())  # FSDP2 keeps the plain names; no gather needed

@@ -278,16 +278,9 @@ class MegatronPolicyWorker(HFPolicyWorker):
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
         """Exact or refused: every weight of the model from the checkpoint's HF folder and nothing else;
         the optimizer state only from a checkpoint this worker kind wrote."""
-        from safetensors.torch import load_file
-
         p = Path(path)
         refuse_adapter_checkpoint(p)
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{p}: no *.safetensors weights in checkpoint")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
+        sd = weight_export.read_safetensors_folder(p)
         try:
             mapped = mm.hf_to_megatron_state_dict(sd, self.hf_config)
         except (KeyError, ValueError) as e:

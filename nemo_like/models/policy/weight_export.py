@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -139,3 +140,17 @@ def named_checksum(tensors: Iterable[NamedTensor]) -> str:
     for _, d in digests:
         h.update(d)
     return h.hexdigest()
+
+
+def read_safetensors_folder(folder: str | Path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's ``*.safetensors`` files (a ``save_pretrained`` layout, sharded or
+    not); FileNotFoundError naming the folder and ``what`` it should have been if there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights in the {what}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
