@@ -99,13 +99,12 @@ class PPOStage:
             inputs["greedy_rewards"] = greedy_rewards.nan_to_num(0.0).float()
 
         estimator = get_advantage_estimator(cfg.grpo.advantage_estimator)
-        token_level = bool(inputs.get("values") is not None or "token_rewards" in inputs)
-        advantages = torch.zeros_like(mask) if token_level else torch.zeros_like(scores)
+        advantages = torch.zeros_like(scores)  # [N], or [N, T] when the estimator is token-level
         if bool(scorable.any()):
             out = estimator(scores[scorable], group_ids[scorable], config=cfg.grpo, token_mask=mask[scorable],
                             **{k: v[scorable] for k, v in inputs.items()})
             adv, more = out if isinstance(out, tuple) else (out, {})
-            if adv.dim() == 2 and advantages.dim() == 1:
+            if adv.dim() == 2:
                 advantages = torch.zeros_like(mask)
             advantages[scorable] = adv.to(advantages.dtype)
             if "returns" in more:
