@@ -9,7 +9,7 @@ return over the SAME 20 held-out seeds (reset(seed=10**9 + i), i = 0..19, determ
 reaches 475, or a budget runs out:
 
 1. this project: `GymGRPOExperiment` on examples/configs/grpo_cartpole.yaml, or --config (ppo_cartpole.yaml:
-   PPO with the value head as critic, grpo.advantage=gae) (grpo.seed=SEED, Ray on 2
+   PPO with the value head as critic, grpo.advantage_estimator=gae) (grpo.seed=SEED, Ray on 2
    CPUs, no checkpoints). "train s" is the wall time of `train()`, which validates at the start and every
    grpo.val_period updates and stops at grpo.target_val_return; "total s" adds the setup (Ray, collectors).
    Env steps: training episodes only. Budget: grpo.max_num_steps updates.
@@ -71,7 +71,7 @@ def run_ours(config: str, seed: int, overrides: list[str], log_dir: str) -> dict
         exp.train()
         t2 = time.perf_counter()
         tr = exp.trainer
-        kind = "PPO/GAE" if tr.config.grpo.advantage == "gae" else "GRPO"  # e.g. --config examples/configs/ppo_cartpole.yaml
+        kind = "PPO/GAE" if tr.config.grpo.advantage_estimator == "gae" else "GRPO"  # e.g. --config examples/configs/ppo_cartpole.yaml
         return {"learner": f"ours ({kind})", "seed": seed, "reached": bool(tr.reached_target), "train_s": t2 - t1,
                 "env_steps": tr.env_steps, "final_return": tr.last_val_metrics.get("val/return_mean", float("nan")),
                 "total_s": t2 - t0, "updates": tr.step_count, "torch_threads": torch.get_num_threads()}

@@ -14,18 +14,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
+from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
 from nemo_like.data.datasets import GENERATOR_KINDS, DatasetConfig
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
 from nemo_like.models.critic.config import CriticConfig
-from nemo_like.models.generation.backends import GENERATION_BACKENDS
+from nemo_like.models.generation.backends import backend_capabilities
 from nemo_like.models.policy.backends import POLICY_BACKENDS
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
+from nemo_like.utils.options import apply_registered_options
 
 # policy.model_name of a config whose model the bootstrap builds (any name after the colon).
 BOOTSTRAP_MODEL_PREFIX = "bootstrap:"
@@ -95,7 +96,11 @@ class AsyncRolloutsConfig(_Strict):
     buffer_size: int = Field(2, ge=1)
 
 
-class GRPOConfig(_Strict):
+class GRPOConfig(BaseModel):
+    # "allow": the selected estimator's own options (register_advantage_estimator(..., options=Model)),
+    # checked by _estimator_options against that model.
+    model_config = ConfigDict(extra="allow")
+
     num_prompts_per_step: int = Field(16, gt=0)
     num_generations_per_prompt: int = Field(8, gt=1)
     max_num_steps: int = Field(100, ge=0)
@@ -139,6 +144,11 @@ class GRPOConfig(_Strict):
     kl_in_reward: KLInRewardConfig = KLInRewardConfig()
     gae: GAEConfig = GAEConfig()
     seed: int = 42
+
+    @model_validator(mode="after")
+    def _estimator_options(self) -> GRPOConfig:
+        apply_registered_options(self, "grpo", [(ADVANTAGE_ESTIMATORS, self.advantage_estimator)])
+        return self
 
 
 class GenerationClusterConfig(_Strict):
@@ -357,11 +367,19 @@ class MasterConfig(_Strict):
 
     def _check_generation(self) -> None:
         g = self.policy.generation
-        if g.backend not in GENERATION_BACKENDS:
-            try:
-                GENERATION_BACKENDS.get(g.backend)
-            except KeyError as e:
-                raise ValueError(f"policy.generation.backend: {e.args[0]}") from None
+        if g.colocated:  # the training workers generate; the backend's name was checked as "hf"
+            return
+        try:  # imports the worker class: a separate rollout group will need it anyway
+            caps = backend_capabilities(g.backend)
+        except (KeyError, ImportError, TypeError) as e:
+            raise ValueError(f"policy.generation.backend: {e.args[0]}") from None
+        # What the backend cannot do is refused now, not when the first rollout reaches it.
+        if g.refit_transport == "collective" and "collective_refit" not in caps:
+            raise ValueError(f"policy.generation.refit_transport=collective: backend {g.backend!r} does not take a "
+                             "broadcast refit (no 'collective_refit' capability); use refit_transport=object_store")
+        if g.stream_episodes and g.engine == "continuous" and "streaming" not in caps:
+            raise ValueError(f"policy.generation.stream_episodes: backend {g.backend!r} cannot stream episodes "
+                             "(no 'streaming' capability); set policy.generation.stream_episodes=false")
 
     def _check_critic(self) -> None:
         name = self.grpo.advantage_estimator
@@ -492,11 +510,14 @@ def schema_field(keys: list[str], schema: type[BaseModel] | None = None) -> Any:
 
 
 def _schema_has(keys: list[str], schema: type[BaseModel] | None = None) -> bool:
-    """``keys`` name a field of the schema, or lie under a free-form mapping (``env.<name>.<option>``)."""
+    """``keys`` name a field of the schema, or lie under a free-form mapping (``env.<name>.<option>``),
+    or name a key of a section that takes the options of what it selects (``loss_fn.<option>``, checked
+    when the config is validated)."""
     for i in range(1, len(keys) + 1):
         field = schema_field(keys[:i], schema)
         if field is None:
-            return False
+            parent = _nested_model(schema_field(keys[:i - 1], schema)) if i > 1 else (schema or MasterConfig)
+            return i == len(keys) and parent is not None and parent.model_config.get("extra") == "allow"
         if _nested_model(field) is None and getattr(field.annotation, "__origin__", None) is dict:
             return True
     return True
@@ -565,7 +586,8 @@ def format_validation_error(e: ValidationError) -> str:
             msg = "unknown config key"
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             msg += f" (got {err['input']!r})"
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        # A section's own validator may already name the full key (loss_fn.tau: ...).
+        parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc + ".") else msg)
     return "; ".join(parts)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
+from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.algorithms.trajectory_loss import VALUE_LOSS_KEYS, ValueLossConfig
 from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_defaults
@@ -20,6 +20,7 @@ from nemo_like.environments.step_environment import check_step_env_name
 from nemo_like.models.agent import AgentPolicyConfig
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
+from nemo_like.utils.options import apply_registered_options
 
 __all__ = ["GymMasterConfig", "load_gym_config", "validate_gym_config"]
 
@@ -53,12 +54,15 @@ class StepEnvConfig(_Strict):
         return _known(value, check_step_env_name)
 
 
-class TrajectoryGRPOConfig(_Strict):
+class TrajectoryGRPOConfig(BaseModel):
+    # "allow": the selected estimator's own options (register_advantage_estimator(..., options=Model)).
+    model_config = ConfigDict(extra="allow")
+
     group_size: int = Field(8, ge=2)  # K trajectories from one reset seed
     num_groups_per_step: int = Field(8, ge=1)
     # "mean", "mean_std", "rloo", ...: group-relative, on episode returns. "gae": per step, with the
     # network's value head as the critic (trained by loss_fn.vf_coef's value term), gamma and lam below.
-    advantage: str = "mean_std"
+    advantage_estimator: str = "mean_std"
     adv_eps: float = Field(1e-6, ge=0)
     gamma: float = Field(0.99, ge=0, le=1)  # gae only: discount
     lam: float = Field(0.95, ge=0, le=1)  # gae only: GAE's lambda
@@ -76,7 +80,20 @@ class TrajectoryGRPOConfig(_Strict):
     max_empty_steps: int = Field(5, ge=1)  # consecutive steps without a complete group: the run stops
     seed: int = 42
 
-    @field_validator("advantage")
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "advantage" in data:
+            raise ValueError("grpo.advantage is now grpo.advantage_estimator (the same key as the language-model "
+                             f"trainer's): write grpo.advantage_estimator: {data['advantage']}")
+        return data
+
+    @model_validator(mode="after")
+    def _options(self) -> TrajectoryGRPOConfig:
+        apply_registered_options(self, "grpo", [(ADVANTAGE_ESTIMATORS, self.advantage_estimator)])
+        return self
+
+    @field_validator("advantage_estimator")
     @classmethod
     def _estimator(cls, value: str) -> str:
         _known(value, get_advantage_estimator)
@@ -98,7 +115,7 @@ class GymMasterConfig(_Strict):
     policy: AgentPolicyConfig = Field(default_factory=AgentPolicyConfig)
     grpo: TrajectoryGRPOConfig = Field(default_factory=TrajectoryGRPOConfig)
     # {name: <registered loss>, ...its options}; trajectory_pg takes ent_coef and ref_kl_coef. With
-    # grpo.advantage=gae also vf_coef and cliprange_value (the value term, added to any policy loss).
+    # grpo.advantage_estimator=gae also vf_coef and cliprange_value (the value term, added to any policy loss).
     loss_fn: dict[str, Any] = Field(default_factory=lambda: {"name": "trajectory_pg"})
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(
@@ -140,10 +157,10 @@ class GymMasterConfig(_Strict):
         if self.grpo.num_minibatches > self.grpo.num_groups_per_step:
             raise ValueError(f"grpo.num_minibatches ({self.grpo.num_minibatches}) is more than "
                              f"grpo.num_groups_per_step ({self.grpo.num_groups_per_step}): a minibatch is whole groups")
-        if self.grpo.advantage != "gae" and (keys := [k for k in VALUE_LOSS_KEYS if k in self.loss_fn]):
+        if self.grpo.advantage_estimator != "gae" and (keys := [k for k in VALUE_LOSS_KEYS if k in self.loss_fn]):
             # Only GAE gives the value head returns to regress on: the key would be silently ignored.
-            raise ValueError(f"loss_fn.{keys[0]} trains the value head, which only grpo.advantage=gae uses "
-                             f"(grpo.advantage is {self.grpo.advantage!r}): remove it or set grpo.advantage=gae")
+            raise ValueError(f"loss_fn.{keys[0]} trains the value head, which only grpo.advantage_estimator=gae uses "
+                             f"(grpo.advantage_estimator is {self.grpo.advantage_estimator!r}): remove it or set grpo.advantage_estimator=gae")
         return self
 
     def loss_options(self) -> dict[str, Any]:
@@ -151,8 +168,8 @@ class GymMasterConfig(_Strict):
         return {k: v for k, v in self.loss_fn.items() if k != "name" and k not in VALUE_LOSS_KEYS}
 
     def value_loss(self) -> ValueLossConfig | None:
-        """The value term's settings when the value head is trained (grpo.advantage=gae), else None."""
-        if self.grpo.advantage != "gae":
+        """The value term's settings when the value head is trained (grpo.advantage_estimator=gae), else None."""
+        if self.grpo.advantage_estimator != "gae":
             return None
         return ValueLossConfig.model_validate({k: self.loss_fn[k] for k in VALUE_LOSS_KEYS if k in self.loss_fn})
 

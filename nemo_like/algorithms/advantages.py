@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from nemo_like.algorithms.ppo_terms import compute_gae, masked_whiten, remax_advantages
+from nemo_like.utils.options import check_options_model
 from nemo_like.utils.registry import Registry
 
 AdvantageEstimator = Callable[..., torch.Tensor]
@@ -190,17 +191,21 @@ _NEEDS: dict[str, tuple[str, ...]] = {}
 
 
 def register_advantage_estimator(name: str, fn: AdvantageEstimator | str | None = None, *,
-                                 needs: Sequence[str] = (), overwrite: bool = False) -> Any:
+                                 needs: Sequence[str] = (), options: Any = None, overwrite: bool = False) -> Any:
     """Register ``fn(rewards, group_ids, *, config, token_mask=None, **needed) -> Tensor[N]`` (or
     [N, T], or ``(advantages, extras)``) under ``name``: ``@register_advantage_estimator("x")`` or
     ``register_advantage_estimator("x", fn_or_import_path)``. ``needs``: inputs from
-    ``ESTIMATOR_INPUTS`` the trainer must compute and pass. The same definition again is a no-op;
-    another one needs ``overwrite=True``."""
+    ``ESTIMATOR_INPUTS`` the trainer must compute and pass. ``options``: a pydantic model of the
+    estimator's own keys, written under ``grpo:`` and read as ``config.<key>`` (checked before Ray
+    starts, see ``nemo_like.utils.options``). The same definition again is a no-op; another one needs
+    ``overwrite=True``."""
     needs = tuple(needs)
     if unknown := [n for n in needs if n not in ESTIMATOR_INPUTS]:
         raise ValueError(f"advantage estimator {name!r}: unknown inputs {unknown}; an estimator may need "
                          f"{list(ESTIMATOR_INPUTS)}")
-    registered = ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite)
+    if options is not None and not isinstance(options, str):
+        check_options_model(f"advantage estimator {name!r}", options)
+    registered = ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite, options=options)
     _NEEDS[name] = needs
     return registered
 
@@ -238,7 +243,7 @@ def dr_grpo_estimator(rewards: torch.Tensor, group_ids: torch.Tensor, *, config:
     return compute_grpo_advantages(rewards, group_ids, leave_one_out=False, std_scale=None)
 
 
-# The names trajectory-level GRPO uses (``grpo.advantage`` of a gym config): ``mean`` is dr_grpo.
+# The names trajectory-level GRPO uses (``grpo.advantage_estimator`` of a gym config): ``mean`` is dr_grpo.
 register_advantage_estimator("mean", dr_grpo_estimator)
 
 

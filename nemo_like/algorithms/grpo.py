@@ -43,6 +43,7 @@ from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
 from nemo_like.experience.env_waves import EnvTimes
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
+from nemo_like.models.generation.backends import backend_capabilities
 from nemo_like.utils.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -277,10 +278,13 @@ class GRPOTrainer:
     def reuse_generation_logprobs(self) -> bool:
         """Trust the sampler's log-probs as the old policy's: the same numbers when the sampler is the
         training model at float32 (in-worker HF backend). Recomputed every ``grpo.logprob_check_period``
-        steps anyway, so ``train/token_mult_prob_error`` keeps measuring the mismatch."""
+        steps anyway, so ``train/token_mult_prob_error`` keeps measuring the mismatch. A separate
+        backend says whether its numbers are the trainer's (its ``trainer_logprobs`` capability)."""
         g, p = self.config.grpo, self.config.policy
         on = g.reuse_generation_logprobs
-        on = (p.generation.backend == "hf" and p.precision == "float32") if on == "auto" else on
+        if on == "auto":  # colocated: the training workers' own model samples
+            on = p.precision == "float32" and (p.generation.colocated or "trainer_logprobs" in
+                                               backend_capabilities(p.generation.backend))
         return bool(on) and not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
 
     def _rollout(self, batch: BatchedDataDict, greedy: bool, generator: Any = None) -> tuple[BatchedDataDict, dict[str, float]]:

@@ -2,12 +2,12 @@
 
 A group is K trajectories from one reset seed (the step-environment analogue of G completions of
 one prompt). Each trajectory is reduced to its return ``R_i = sum_t r_{i,t}``; the registered
-advantage estimator (``grpo.advantage``: ``mean`` or ``mean_std``) makes it group-relative; the
+advantage estimator (``grpo.advantage_estimator``: ``mean`` or ``mean_std``) makes it group-relative; the
 registered loss (``loss_fn.name``, by default ``trajectory_pg``) is REINFORCE on the whole trajectory,
 ``-mean_i A_i sum_t log pi(a_t | s_t)``, recomputed with the live weights for ``update_epochs``
 passes. The value head of the network is not trained then.
 
-``grpo.advantage: gae`` is PPO with a critic instead: the network's value head gives V(s_t) (before
+``grpo.advantage_estimator: gae`` is PPO with a critic instead: the network's value head gives V(s_t) (before
 the update, no gradient), GAE (``grpo.gamma``, ``grpo.lam``) turns each trajectory's per-step rewards
 into per-step advantages (whitened over the batch's real steps unless ``grpo.whiten_advantages`` is
 off) and returns, and ``loss_fn.vf_coef * clipped_value_loss`` is added to the policy loss in the same
@@ -188,13 +188,13 @@ class GymGRPOTrainer:
                 # 4. Advantages: group-relative on episode returns ([B]), or with gae per step ([B, T])
                 #    from the value head, which gets returns to regress on (critic).
                 with timer.time("advantages"):
-                    if g.advantage == "gae":
+                    if g.advantage_estimator == "gae":
                         adv, critic = self._gae(batch, trajs)
                         metrics.update(self._critic_stats(batch, critic))
                     else:
                         returns = torch.tensor([t.ret for t in trajs], dtype=torch.float64)
                         group_ids = torch.repeat_interleave(torch.arange(len(groups)), g.group_size)
-                        adv, critic = get_advantage_estimator(g.advantage)(returns, group_ids, config=g).float(), None
+                        adv, critic = get_advantage_estimator(g.advantage_estimator)(returns, group_ids, config=g).float(), None
                 # 5. Reference log-probs (only when the KL term is on) and the pre-update ones (a loss
                 #    with a ratio, such as clipped_pg, needs them; trajectory_pg does not).
                 with timer.time("reference"):
@@ -482,7 +482,7 @@ def check_gym_resume_compatible(cfg: GymMasterConfig, checkpoint: Path) -> None:
 
 
 def check_value_head(net: nn.Module, spec: ObsSpec, cfg: GymMasterConfig) -> None:
-    """ConfigError unless ``net(obs)`` returns a value [N] next to the logits: grpo.advantage=gae
+    """ConfigError unless ``net(obs)`` returns a value [N] next to the logits: grpo.advantage_estimator=gae
     trains the value head as its critic."""
     def zeros(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(2, *shape)
@@ -496,9 +496,9 @@ def check_value_head(net: nn.Module, spec: ObsSpec, cfg: GymMasterConfig) -> Non
     value = out[1] if isinstance(out, tuple) and len(out) == 2 else None
     if not isinstance(value, torch.Tensor) or value.shape != (2,):
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ConfigError(f"grpo.advantage=gae trains the network's value head, but policy.network="
+        raise ConfigError(f"grpo.advantage_estimator=gae trains the network's value head, but policy.network="
                           f"{cfg.policy.network!r} returns no value [N] next to its logits (got {got}): use a "
-                          "network with a value head (mlp, cnn) or a group-relative grpo.advantage (mean_std)")
+                          "network with a value head (mlp, cnn) or a group-relative grpo.advantage_estimator (mean_std)")
 
 
 def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer:
@@ -531,7 +531,7 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
         net = build_network(spec, cfg.policy, seed=cfg.grpo.seed)
     except ValueError as e:
         raise ConfigError(f"policy.network={cfg.policy.network!r} for {cfg.env.id!r}: {e}") from None
-    if cfg.grpo.advantage == "gae":
+    if cfg.grpo.advantage_estimator == "gae":
         check_value_head(net, spec, cfg)
     loss_fn = get_loss_fn(cfg.loss_fn["name"], cfg.loss_options())
     resources: list[Any] = []

@@ -7,7 +7,7 @@ read in one place; ``loss_functions.py`` re-exports ``ClippedPGLossConfig``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -18,27 +18,30 @@ from pydantic import (
     model_validator,
 )
 
-__all__ = ["ClippedPGLossConfig", "POLICY_LOSSES", "resolve_pg_loss_config"]
+from nemo_like.algorithms.policy_losses import LOSSES, POLICY_LOSSES
+from nemo_like.utils.options import apply_registered_options
 
-PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
-POLICY_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo", "cispo")
+__all__ = ["ClippedPGLossConfig", "resolve_pg_loss_config"]
 
 
 class ClippedPGLossConfig(BaseModel):
     """The ``loss_fn:`` config section (policy-gradient surrogate + k3 KL to a reference).
 
     ``name`` picks the registered loss (``get_loss_fn(name, config)``); ``policy_loss`` the
-    surrogate: "ppo_clip" (token ratio, clipped), "gspo" (sequence ratio, clipped), "cispo"
-    (clipped ratio as a constant weight on the logprob). ``truncated_importance_sampling_ratio``
+    registered surrogate (``policy_losses.py``): "ppo_clip" (token ratio, clipped), "gspo" (sequence
+    ratio, clipped), "cispo" (clipped ratio as a constant weight on the logprob), or one of yours.
+    Keys this model does not define are the options the selected loss and surrogate declared
+    (``nemo_like.utils.options``), checked and typed here. ``truncated_importance_sampling_ratio``
     caps and ``importance_sampling_mask`` filters the IS weight of
     ``use_importance_sampling_correction``; ``loss_length_normalizer`` selects the Dr.GRPO
     reduction (a constant length instead of the token or sequence counts).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # "allow": a registered loss's or surrogate's own options; _combinations checks them.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     name: str = Field("clipped_pg", min_length=1)
-    policy_loss: PolicyLoss = "ppo_clip"
+    policy_loss: str = Field("ppo_clip", min_length=1)
     ratio_clip_min: float = Field(0.2, ge=0.0, allow_inf_nan=False)
     ratio_clip_max: float = Field(0.2, ge=0.0, allow_inf_nan=False)
     ratio_clip_c: float | None = Field(None, allow_inf_nan=False)
@@ -77,6 +80,11 @@ class ClippedPGLossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _combinations(self) -> ClippedPGLossConfig:
+        try:
+            POLICY_LOSSES.get(self.policy_loss)
+        except KeyError as e:
+            raise ValueError(f"loss_fn.policy_loss: {e.args[0]}") from None
+        apply_registered_options(self, "loss_fn", [(LOSSES, self.name), (POLICY_LOSSES, self.policy_loss)])
         # Each of these would otherwise be silently ignored by the loss.
         if self.ratio_clip_c is not None and self.policy_loss != "ppo_clip":
             raise ValueError(

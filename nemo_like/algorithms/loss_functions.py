@@ -13,7 +13,7 @@ The config lives in ``loss_config.py`` and the per-token arithmetic in ``pg_term
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -27,7 +27,16 @@ from nemo_like.algorithms.pg_terms import (
     sequence_mean_sum,
     token_sum,
 )
-from nemo_like.utils.registry import Registry
+from nemo_like.algorithms.policy_losses import (
+    LOSSES,
+    POLICY_LOSSES,
+    check_loss_name,
+    get_loss_fn,
+    get_policy_loss,
+    register_loss,
+    register_policy_loss,
+    registered_losses,
+)
 
 __all__ = [
     "ClippedPGLossConfig",
@@ -35,10 +44,13 @@ __all__ = [
     "LOSSES",
     "LossFunction",
     "NLLLossFn",
+    "POLICY_LOSSES",
     "check_loss_name",
     "clipped_pg_loss",
     "get_loss_fn",
+    "get_policy_loss",
     "register_loss",
+    "register_policy_loss",
     "registered_losses",
 ]
 
@@ -186,6 +198,9 @@ class ClippedPGLossFn:
 
     def __init__(self, config: ClippedPGLossConfig | Mapping[str, Any] | None = None) -> None:
         self.config = resolve_pg_loss_config(config if config is not None else ClippedPGLossConfig())
+        # Resolved here, in the process that builds the loss: the object then carries the function to
+        # the workers, where a surrogate registered only in the driver (a notebook cell) is unknown.
+        self.surrogate = get_policy_loss(self.config.policy_loss)
 
     @property
     def zero_advantage_is_inert(self) -> bool:
@@ -219,7 +234,7 @@ class ClippedPGLossFn:
             ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs"),
         )
         token_loss, fmask, metrics = pg_token_terms(
-            curr_logprobs, prev, gen, ref, adv, mask, self.config
+            curr_logprobs, prev, gen, ref, adv, mask, self.config, self.surrogate
         )
         num_toks = float(fmask.sum())
         num_seqs = num_valid_seqs(fmask)
@@ -269,50 +284,5 @@ class NLLLossFn:
         return loss, {"nll": nll, "num_valid_tokens": num_toks, "loss": float(loss.detach())}
 
 
-# ---------------------------------------------------------------------------------------------
-# Registry
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_factory(name: str, obj: Any) -> None:
-    if not callable(obj):
-        raise TypeError(f"loss {name!r} must be a class or factory called as factory(config), "
-                        f"got {type(obj).__name__}")
-
-
-LossFactory = Callable[..., LossFunction]
-LOSSES: Registry[LossFactory] = Registry(
-    "loss", check=_check_factory, builtins={
-        "clipped_pg": ClippedPGLossFn, "nll": NLLLossFn,
-        # REINFORCE on whole trajectories (trajectory-level GRPO for step-environment agents).
-        "trajectory_pg": "nemo_like.algorithms.trajectory_loss.TrajectoryPGLossFn",
-    }
-)
-
-
-def register_loss(name: str, target: Any = None, *, overwrite: bool = False) -> Any:
-    """``@register_loss(name)`` on a loss class or factory, or ``register_loss(name, obj_or_path)``.
-
-    The factory is called as ``factory(config)`` when ``get_loss_fn`` gets a config, else
-    ``factory()``. Another object under a taken name needs ``overwrite=True`` (ValueError
-    otherwise; re-registering the same definition is a no-op).
-    """
-    return LOSSES.register(name, target, overwrite=overwrite)
-
-
-def get_loss_fn(name: str, config: Any = None) -> LossFunction:
-    """Build the loss registered under ``name`` (the trainer: ``get_loss_fn(cfg.loss_fn.name,
-    cfg.loss_fn)``); KeyError naming the registered losses and the closest one if unknown."""
-    factory = LOSSES.get(name)
-    return factory(config) if config is not None else factory()
-
-
-def check_loss_name(name: str) -> None:
-    """KeyError (with a did-you-mean) unless a loss is registered under ``name``; for config
-    validation, before anything is built."""
-    if name not in LOSSES:
-        LOSSES.get(name)  # raises the registry's KeyError
-
-
-def registered_losses() -> list[str]:
-    return LOSSES.names()
+# The registries (``loss_fn.name`` and ``loss_fn.policy_loss``) live in ``policy_losses.py``, where the
+# config can check names without importing the loss objects; re-exported here.

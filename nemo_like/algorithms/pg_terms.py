@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from nemo_like.algorithms.loss_config import ClippedPGLossConfig
+from nemo_like.algorithms.policy_losses import PolicyLossFn, get_policy_loss
 
 # k3 KL guards: clamp the log-ratio so exp() cannot overflow to inf (inf - inf = NaN in the value
 # and 0 * inf = NaN in the gradient), and cap the per-token KL so one wild token cannot dominate.
@@ -79,38 +80,6 @@ def _masked_mean_value(x: torch.Tensor, mask: torch.Tensor, denom: float) -> flo
     return float((x * mask).sum()) / denom
 
 
-def _surrogate(
-    curr: torch.Tensor,
-    prev: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: ClippedPGLossConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token policy loss ``pg`` and the ratio it used before and after the clamp."""
-    low, high = 1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max
-    if cfg.policy_loss == "gspo":
-        # One ratio per sequence: the exp of its (mask-weighted) mean token log-ratio, so a
-        # sequence is clipped as a whole. Rows without tokens divide 0 by 1.
-        seq_len = mask.sum(dim=-1, keepdim=True)
-        seq_log_ratio = ((curr - prev) * mask).sum(dim=-1, keepdim=True) / torch.where(
-            seq_len != 0, seq_len, torch.ones_like(seq_len)
-        )
-        ratio = torch.exp(seq_log_ratio).expand_as(curr)
-    else:
-        ratio = torch.exp(curr - prev)
-    ratio_clamped = ratio.clamp(low, high)
-    if cfg.policy_loss == "cispo":
-        # The clipped ratio is only a weight: every token keeps its gradient through curr,
-        # unlike PPO where a clipped token's gradient is 0.
-        return -adv * ratio_clamped.detach() * curr, ratio, ratio_clamped
-    # Pessimistic (max of losses) PPO surrogate, per token or per sequence ratio.
-    pg = torch.maximum(-adv * ratio, -adv * ratio_clamped)
-    if cfg.ratio_clip_c is not None:
-        # Dual clip: bound the loss of negative-advantage tokens whose ratio exploded.
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.ratio_clip_c), pg)
-    return pg, ratio, ratio_clamped
-
-
 def _importance_weight(
     prev: torch.Tensor, gen: torch.Tensor, keep: torch.Tensor, cfg: ClippedPGLossConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -143,8 +112,11 @@ def pg_token_terms(
     adv: torch.Tensor,
     mask: torch.Tensor,
     cfg: ClippedPGLossConfig,
+    surrogate: PolicyLossFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Per-token loss ``l`` [B, T] (0 off-mask), the float mask, and the metrics."""
+    """Per-token loss ``l`` [B, T] (0 off-mask), the float mask, and the metrics. ``surrogate``: the
+    ``loss_fn.policy_loss`` function already resolved (a loss object resolves it where it is built,
+    so a surrogate registered only in the driver works in the workers); None: looked up now."""
     _check_inputs(curr, prev, gen, ref, adv, mask)
     mask = mask.to(device=curr.device, dtype=curr.dtype)
     keep = mask != 0
@@ -157,7 +129,11 @@ def pg_token_terms(
     adv = adv.to(device=curr.device, dtype=curr.dtype)
     adv = clean(adv[:, None].expand_as(curr) if adv.dim() == 1 else adv)
 
-    pg, ratio, ratio_clamped = _surrogate(curr, prev, adv, mask, cfg)
+    surrogate = surrogate if surrogate is not None else get_policy_loss(cfg.policy_loss)
+    pg, ratio, ratio_clamped = surrogate(curr, prev, adv, mask, cfg)
+    if pg.shape != curr.shape:
+        raise ValueError(f"policy loss {cfg.policy_loss!r} returned a loss of shape {tuple(pg.shape)}, "
+                         f"expected {tuple(curr.shape)} (one value per token)")
     flags: dict[str, torch.Tensor] = {}
     if cfg.use_importance_sampling_correction:
         weight, flags = _importance_weight(prev, gen, keep, cfg)

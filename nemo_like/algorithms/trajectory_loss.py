@@ -11,7 +11,7 @@ global_valid_seqs, global_valid_toks) -> (loss, metrics)``), so a language-model
 too (tokens are its steps; ``advantages`` may be per token ``[B, T]``, and then the policy term is
 ``-sum_t A_t log pi_t``, equal to the above when A is constant along a sequence).
 
-The value term of an agent whose value head is trained (``grpo.advantage: gae``) is
+The value term of an agent whose value head is trained (``grpo.advantage_estimator: gae``) is
 :func:`value_loss_term`: ``vf_coef * clipped_value_loss(V_new, V_old, returns, mask, cliprange_value)``,
 added by the gym trainer to whichever policy loss ``loss_fn.name`` picks, in the same backward pass
 (as SB3's PPO sums its policy and value losses; here the two heads also share the network's trunk). Its keys (``loss_fn.vf_coef``,
@@ -34,7 +34,7 @@ __all__ = ["VALUE_LOSS_KEYS", "TrajectoryPGLossConfig", "TrajectoryPGLossFn", "V
 
 
 class ValueLossConfig(BaseModel):
-    """``loss_fn.vf_coef`` and ``loss_fn.cliprange_value`` of a gym run with ``grpo.advantage: gae``.
+    """``loss_fn.vf_coef`` and ``loss_fn.cliprange_value`` of a gym run with ``grpo.advantage_estimator: gae``.
 
     ``cliprange_value`` defaults to None (no clipping), as SB3's PPO (``clip_range_vf=None``) and the
     zoo's tuned CartPole do: the targets are unnormalised discounted returns (up to ~1/(1-gamma), 50 on

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nemo_like.utils.options import format_option_errors
+
 __all__ = ["EnvConfig", "TRAINER_SIDE_KEYS", "validate_env_config", "env_config_errors"]
 
 # Keys read by the trainer, not by the environment: they are stripped before the actor is built.
@@ -33,23 +35,7 @@ class EnvConfig(BaseModel):
 
 def env_config_errors(name: str, model: type[BaseModel], e: ValidationError) -> str:
     """One line naming each bad key as ``env.<name>.<key>``, with a did-you-mean for typos."""
-    import difflib
-
-    fields = sorted(model.model_fields)
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        key = f"env.{name}.{loc}" if loc else f"env.{name}"
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(err["loc"][-1]), fields, n=1)
-            hint = f" (did you mean env.{name}.{close[0]}?)" if close else f" (allowed: {', '.join(fields)})"
-            parts.append(f"{key}: unknown config key{hint}")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        if "input" in err and err["type"] != "missing" and not isinstance(err["input"], dict):
-            msg += f" (got {err['input']!r})"
-        parts.append(f"{key}: {msg}")
-    return "; ".join(parts)
+    return format_option_errors(f"env.{name}", e, model.model_fields)
 
 
 def validate_env_config(name: str, model: type[EnvConfig], config: Any) -> EnvConfig:

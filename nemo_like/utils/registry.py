@@ -106,21 +106,26 @@ class Registry(Generic[T]):
         self._check = check
         self._lock = threading.Lock()
         self._entries: dict[str, T | str] = {}
+        self._options: dict[str, Any] = {}
         for name, target in (builtins or {}).items():
             self.register(name, target)
 
     # ---- registering ------------------------------------------------------------------------
     @overload
-    def register(self, name: str, target: None = None, *, overwrite: bool = False) -> Callable[[T], T]: ...
+    def register(self, name: str, target: None = None, *, overwrite: bool = False,
+                 options: Any = None) -> Callable[[T], T]: ...
     @overload
-    def register(self, name: str, target: T | str, *, overwrite: bool = False) -> T | str: ...
+    def register(self, name: str, target: T | str, *, overwrite: bool = False, options: Any = None) -> T | str: ...
 
-    def register(self, name: str, target: T | str | None = None, *, overwrite: bool = False) -> Any:
-        """``register(name, obj_or_path)``, or ``@registry.register(name)`` as a decorator."""
+    def register(self, name: str, target: T | str | None = None, *, overwrite: bool = False,
+                 options: Any = None) -> Any:
+        """``register(name, obj_or_path)``, or ``@registry.register(name)`` as a decorator.
+        ``options``: the pydantic model of the entry's own config keys (or its import path), see
+        ``nemo_like.utils.options``."""
         self._check_name(name)
         if target is None:
             def decorator(obj: T) -> T:
-                self.register(name, obj, overwrite=overwrite)
+                self.register(name, obj, overwrite=overwrite, options=options)
                 return obj
 
             return decorator
@@ -136,11 +141,13 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} {name!r} is already registered to {_describe(old)}; "
                                  f"pass overwrite=True to replace it with {_describe(target)}")
             self._entries[name] = target
+            self._options[name] = options
         return target
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self._entries.pop(name, None)
+            self._options.pop(name, None)
 
     # ---- looking up -------------------------------------------------------------------------
     def get(self, name: str) -> T:
@@ -163,6 +170,20 @@ class Registry(Generic[T]):
                 self._entries[name] = obj
         return obj
 
+    def options(self, name: str) -> Any:
+        """The options model registered with ``name`` (a pydantic model class), or None."""
+        if name not in self:
+            self.get(name)  # the did-you-mean KeyError; a known entry is not imported for its options
+        with self._lock:
+            model = self._options.get(name)
+        if isinstance(model, str):
+            model = import_from_path(model, what=f"options of {self.kind} {name!r}")
+            with self._lock:
+                self._options[name] = model
+        if model is not None and not (isinstance(model, type) and hasattr(model, "model_validate")):
+            raise TypeError(f"{self.kind} {name!r}: options must be a pydantic model class, got {model!r}")
+        return model
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._entries)
@@ -180,12 +201,12 @@ class Registry(Generic[T]):
     def isolated(self) -> Iterator[Registry[T]]:
         """Registrations made inside the block are undone at its end (tests, notebook experiments)."""
         with self._lock:
-            saved = dict(self._entries)
+            saved, saved_options = dict(self._entries), dict(self._options)
         try:
             yield self
         finally:
             with self._lock:
-                self._entries = saved
+                self._entries, self._options = saved, saved_options
 
     def _check_name(self, name: Any) -> None:
         if not isinstance(name, str) or not name.strip():

@@ -180,7 +180,7 @@ def test_resume_refuses_another_runs_checkpoint_and_a_finished_run_stays_finishe
 
 
 def test_ppo_with_the_value_head_as_critic_runs_on_cartpole(tmp_path, ray_session):
-    """examples/configs/ppo_cartpole.yaml (grpo.advantage=gae): the value head is trained toward the
+    """examples/configs/ppo_cartpole.yaml (grpo.advantage_estimator=gae): the value head is trained toward the
     GAE returns alongside the clipped policy loss."""
     ppo = os.path.join(CONFIGS, "ppo_cartpole.yaml")
     with GymGRPOExperiment(ppo, _overrides(tmp_path, "grpo.val_at_start=false", "checkpointing.enabled=false",

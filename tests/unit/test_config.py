@@ -58,7 +58,9 @@ def test_overrides_parse_yaml_values():
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("grpo.num_prompt_per_step=3", r"unknown config key 'grpo.num_prompt_per_step' \(did you mean grpo.num_prompts_per_step\?\)"),
+        # grpo takes the selected estimator's options, so the key is checked when the config is validated.
+        ("grpo.num_prompt_per_step=3", r"grpo.num_prompt_per_step: unknown config key \(did you mean grpo.num_prompts_per_step\?\)"),
+        ("policy.num_thread=3", r"unknown config key 'policy.num_thread' \(did you mean policy.num_threads\?\)"),
         ("policy.optimizer.lr=abc", r"policy.optimizer.lr: Input should be a valid number.*'abc'"),
         ("++foo.bar=1", r"foo: unknown config key"),
         ("policy.train_global_batch_size=100", r"train_global_batch_size \(100\) is not divisible by grpo.num_generations_per_prompt \(8\)"),
@@ -97,7 +99,7 @@ def test_apply_overrides_force_adds_nested():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["grpo.max_num_step=3"], "unknown config key 'grpo.max_num_step'"),
+        (["grpo.max_num_step=3"], "grpo.max_num_step: unknown config key (did you mean grpo.max_num_steps?)"),
         (["data.train.path=/nonexistent/rows.jsonl", "++data.train.generator=null"], "/nonexistent/rows.jsonl: file not found"),
         # Environment options are typed too (env.<name> against the environment's config_model).
         (["env.math.timeout=3"], "env.math.timeout: unknown config key (did you mean env.math.timeout_s?)"),

@@ -8,10 +8,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.generation.backends import GENERATION_BACKENDS
+from nemo_like.utils.options import apply_registered_options
 
 
 class GenerationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # "allow": the selected backend's own options (register_generation_backend(..., options=Model)),
+    # checked by _other_backends_run_apart against that model.
+    model_config = ConfigDict(extra="allow")
     # A registered generation backend (models/generation/backends.py): "hf" (transformers, in the
     # training workers when colocated, else in rollout workers). Another engine (vLLM, SGLang) is a
     # worker class in one module plus register_generation_backend(); it needs colocated: false.
@@ -61,6 +65,7 @@ class GenerationConfig(BaseModel):
 
     @model_validator(mode="after")
     def _other_backends_run_apart(self) -> GenerationConfig:
+        apply_registered_options(self, "policy.generation", [(GENERATION_BACKENDS, self.backend)])
         # Colocated generation is the training workers' own HF model; any other engine is a worker of its own.
         if self.colocated and self.backend != "hf":
             raise ValueError(f"policy.generation.backend={self.backend!r} generates in a rollout group of its own: "

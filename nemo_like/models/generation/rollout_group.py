@@ -271,7 +271,7 @@ class RolloutGroup(GenerationInterface):
     def streams_episodes(self) -> bool:
         g = self.cfg.generation
         return (g.engine == "continuous" and g.stream_episodes
-                and callable(getattr(self.worker_cls, "generate_episodes", None)))
+                and "streaming" in getattr(self.worker_cls, "capabilities", frozenset()))
 
     def generate_episodes(self, batch: BatchedDataDict, envs: dict, **kwargs: Any) -> tuple[BatchedDataDict, dict[str, float]]:
         """Each worker streams its share of the episodes (dealt round-robin, results in batch order).

@@ -46,6 +46,8 @@ class RolloutWorker:
     # Threads for its calls (RolloutGroup makes the actor with it): every batch in flight, a
     # validation, a refit and checks at once, with room to spare.
     max_concurrency = 16
+    # See models/generation/backends.py: what this backend does beyond the required methods.
+    capabilities = frozenset({"streaming", "collective_refit", "trainer_logprobs"})
 
     def __init__(self, config: PolicyConfig, *, seed: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,4 +1,4 @@
-"""grpo.advantage=gae on step-environment agents: GAE through the gym trainer's path (its batch of
+"""grpo.advantage_estimator=gae on step-environment agents: GAE through the gym trainer's path (its batch of
 padded trajectories, the value head's values, terminated vs truncated), the value term training the
 value head, and the config errors. No Ray: the trainer's phases are called on hand-made trajectories.
 
@@ -36,7 +36,7 @@ TRUNCATED_BOOTSTRAPPED = [2.12648, 1.634, 0.95]
 
 def gae_config(**grpo):
     return validate_gym_config({
-        "grpo": {"advantage": "gae", "gamma": 0.9, "lam": 0.8, "whiten_advantages": False, "group_size": 2,
+        "grpo": {"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8, "whiten_advantages": False, "group_size": 2,
                  "num_groups_per_step": 1, "update_epochs": 1, **grpo},
         "loss_fn": {"name": "clipped_pg", "reference_policy_kl_penalty": 0.0, "vf_coef": 0.5},
     })
@@ -170,11 +170,11 @@ def test_vf_coef_0_leaves_the_value_head_alone_and_clipping_reports_its_fraction
     ({"grpo": {"lam": -0.1}}, "grpo.lam"),
     ({"loss_fn": {"vf_coef": -1.0}}, "vf_coef"),
     ({"loss_fn": {"cliprange_value": -0.2}}, "cliprange_value"),
-    ({"grpo": {"advantage": "mean_std"}}, "loss_fn.vf_coef"),  # a value term with no critic targets
-    ({"grpo": {"advantage": "remax"}}, "greedy_rewards"),  # inputs the gym trainer cannot give
+    ({"grpo": {"advantage_estimator": "mean_std"}}, "loss_fn.vf_coef"),  # a value term with no critic targets
+    ({"grpo": {"advantage_estimator": "remax"}}, "greedy_rewards"),  # inputs the gym trainer cannot give
 ])
 def test_config_errors_name_the_key(override, needle):
-    cfg = {"grpo": {"advantage": "gae"}, "loss_fn": {"name": "trajectory_pg", "vf_coef": 0.5}}
+    cfg = {"grpo": {"advantage_estimator": "gae"}, "loss_fn": {"name": "trajectory_pg", "vf_coef": 0.5}}
     for section, values in override.items():
         cfg[section] = cfg[section] | values
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -182,10 +182,10 @@ def test_config_errors_name_the_key(override, needle):
 
 
 def test_config_defaults_and_the_value_keys_are_not_the_policy_losss():
-    cfg = validate_gym_config({"grpo": {"advantage": "gae"}, "loss_fn": {"name": "trajectory_pg", "ent_coef": 0.01}})
+    cfg = validate_gym_config({"grpo": {"advantage_estimator": "gae"}, "loss_fn": {"name": "trajectory_pg", "ent_coef": 0.01}})
     assert (cfg.grpo.gamma, cfg.grpo.lam, cfg.grpo.whiten_advantages) == (0.99, 0.95, True)
     assert cfg.value_loss().vf_coef == 0.5 and cfg.value_loss().cliprange_value is None
-    cfg = validate_gym_config({"grpo": {"advantage": "gae"},
+    cfg = validate_gym_config({"grpo": {"advantage_estimator": "gae"},
                                "loss_fn": {"name": "trajectory_pg", "vf_coef": 0.25, "cliprange_value": 0.2}})
     assert cfg.loss_options() == {}
     assert (cfg.value_loss().vf_coef, cfg.value_loss().cliprange_value) == (0.25, 0.2)
@@ -206,6 +206,6 @@ def test_gae_needs_a_network_with_a_value_head():
 
     with AGENT_NETWORKS.isolated():
         AGENT_NETWORKS.register("policy_only", PolicyOnly)
-        cfg = validate_gym_config({"policy": {"network": "policy_only"}, "grpo": {"advantage": "gae"}})
+        cfg = validate_gym_config({"policy": {"network": "policy_only"}, "grpo": {"advantage_estimator": "gae"}})
         with pytest.raises(ConfigError, match="value head"):
             check_value_head(build_network(SPEC, cfg.policy), SPEC, cfg)
