@@ -6,6 +6,7 @@ Everything is validated here, before Ray starts, so a typo costs a second and no
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -240,7 +241,28 @@ class DataConfig(_Strict):
         return [] if v is None else v if isinstance(v, list) else [v]
 
 
+def import_user_modules(modules: Any, where: str = "imports") -> list[str]:
+    """Import each module named in ``modules`` (``my_pkg.envs``), so the ``register_env`` /
+    ``register_policy_loss`` / ... calls in it take effect before the rest of the config is checked.
+    The current directory is searched too, as ``python -m`` would. ValueError naming the module."""
+    if modules is None:
+        return []
+    if isinstance(modules, str) or not all(isinstance(m, str) and m.strip() for m in modules):
+        raise ValueError(f"{where}: expected a list of module names (my_pkg.envs), got {modules!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for name in modules:
+        try:
+            importlib.import_module(name.strip())
+        except Exception as e:  # ImportError, or anything the module raised while registering
+            raise ValueError(f"{where}: cannot import {name!r}: {type(e).__name__}: {e}") from None
+    return [m.strip() for m in modules]
+
+
 class MasterConfig(_Strict):
+    # Modules imported before everything else is checked: where a user's environments, losses,
+    # estimators and backends are registered (the CLI's --import adds to it).
+    imports: list[str] = Field(default_factory=list)
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
     policy: PolicyConfig
@@ -252,6 +274,13 @@ class MasterConfig(_Strict):
     bootstrap: BootstrapConfig | None = None
     # A value model (PPO): its own worker group on cluster.critic; `critic: {}` takes the policy's model.
     critic: CriticConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_modules_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("imports"):
+            import_user_modules(data["imports"])
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -599,23 +628,49 @@ def validate_config(cfg: dict) -> MasterConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterConfig:
-    return validate_config(apply_overrides(load_yaml_with_defaults(path), list(overrides or [])))
+    raw, rest = with_imports(load_yaml_with_defaults(path), list(overrides or []))
+    return validate_config(apply_overrides(raw, rest))
+
+
+IMPORT_PREFIX = "imports+="
+
+
+def with_imports(raw: dict, overrides: list[str]) -> tuple[dict, list[str]]:
+    """``imports+=my_pkg.envs`` overrides (the CLI's ``--import``) appended to the YAML's ``imports:``
+    and imported now, so the registrations they make are there when the overrides are checked."""
+    extra = [o.removeprefix(IMPORT_PREFIX) for o in overrides if o.startswith(IMPORT_PREFIX)]
+    rest = [o for o in overrides if not o.startswith(IMPORT_PREFIX)]
+    if extra or raw.get("imports"):
+        raw = dict(raw, imports=list(raw.get("imports") or []) + extra)
+        try:
+            import_user_modules(raw["imports"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return raw, rest
 
 
 def parse_cli(argv: list[str], default_config: str | Path) -> tuple[str, list[str]]:
-    """`[--config PATH] [key=value ...]` -> (config path, overrides)."""
+    """`[--config PATH] [--import MODULE ...] [key=value ...]` -> (config path, overrides); each
+    ``--import m`` is an ``imports+=m`` entry of the overrides (see ``with_imports``)."""
     path, overrides, i = str(default_config), [], 0
     while i < len(argv):
         a = argv[i]
-        if a == "--config":
+        if a in ("--config", "--import"):
             if i + 1 >= len(argv):
-                raise ConfigError("--config needs a path")
-            path, i = argv[i + 1], i + 2
+                raise ConfigError(f"{a} needs a {'path' if a == '--config' else 'module name'}")
+            if a == "--config":
+                path = argv[i + 1]
+            else:
+                overrides += [IMPORT_PREFIX + m for m in argv[i + 1].split(",") if m.strip()]
+            i += 2
             continue
-        if a.startswith("--config="):
+        if a.startswith("--import="):
+            overrides += [IMPORT_PREFIX + m for m in a.split("=", 1)[1].split(",") if m.strip()]
+        elif a.startswith("--config="):
             path = a.split("=", 1)[1]
         elif a in ("-h", "--help"):
-            raise SystemExit(f"usage: [--config PATH] [key=value | ++key=value ...]  (default: {default_config})")
+            raise SystemExit("usage: [--config PATH] [--import MODULE ...] [key=value | ++key=value ...]  "
+                             f"(default: {default_config})")
         elif "=" in a:
             overrides.append(a)
         else:

@@ -15,7 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.algorithms.trajectory_loss import VALUE_LOSS_KEYS, ValueLossConfig
-from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_defaults
+from nemo_like.config import (
+    ConfigError,
+    apply_overrides,
+    format_validation_error,
+    import_user_modules,
+    load_yaml_with_defaults,
+    with_imports,
+)
 from nemo_like.environments.step_environment import check_step_env_name
 from nemo_like.models.agent import AgentPolicyConfig
 from nemo_like.utils.checkpoint import CheckpointingConfig
@@ -111,6 +118,7 @@ class GymClusterConfig(_Strict):
 
 
 class GymMasterConfig(_Strict):
+    imports: list[str] = Field(default_factory=list)  # modules imported first (a user's registrations)
     env: StepEnvConfig = Field(default_factory=StepEnvConfig)
     policy: AgentPolicyConfig = Field(default_factory=AgentPolicyConfig)
     grpo: TrajectoryGRPOConfig = Field(default_factory=TrajectoryGRPOConfig)
@@ -121,6 +129,13 @@ class GymMasterConfig(_Strict):
     checkpointing: CheckpointingConfig = Field(
         default_factory=lambda: CheckpointingConfig(metric_name="val/return_mean"))
     cluster: GymClusterConfig = Field(default_factory=GymClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_modules_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("imports"):
+            import_user_modules(data["imports"])
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -182,5 +197,5 @@ def validate_gym_config(cfg: dict) -> GymMasterConfig:
 
 
 def load_gym_config(path: str | Path, overrides: list[str] | None = None) -> GymMasterConfig:
-    raw = load_yaml_with_defaults(path)
-    return validate_gym_config(apply_overrides(raw, list(overrides or []), schema=GymMasterConfig))
+    raw, rest = with_imports(load_yaml_with_defaults(path), list(overrides or []))
+    return validate_gym_config(apply_overrides(raw, rest, schema=GymMasterConfig))

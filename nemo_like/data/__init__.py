@@ -27,7 +27,11 @@ _EXPORTS = {
     "LLMMessageLogType": "interfaces",
     "TaskDataSpec": "interfaces",
     "AllTaskProcessedDataset": "processors",
+    "make_datum_spec": "processors",
     "math_data_processor": "processors",
+    "render_chat": "processors",
+    "tokenize_text": "processors",
+    "truncate_message_log": "processors",
     "sft_data_processor": "processors",
 }
 

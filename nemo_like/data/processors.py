@@ -28,21 +28,26 @@ class DataProcessor(Protocol):
     ) -> DatumSpec: ...
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> str:
+    """``messages`` rendered by the tokenizer's chat template as text (``tools``: the tool schemas a
+    tool-calling template shows). ValueError naming the fix when the tokenizer has no template."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no chat template; set tokenizer.chat_template "
             "(e.g. nemo_like.data.chat_templates.CHATML_TEMPLATE)"
         )
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = tools
+    text = tokenizer.apply_chat_template(messages, **kwargs)
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
     return text
 
 
-def _tokenize(tokenizer: Any, text: str) -> torch.Tensor:
+def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:
+    """The token ids [L] of already rendered text (no special tokens added: the template put them)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
@@ -72,19 +77,19 @@ def _prompt_message_log(tokenizer: Any, chat: list[dict[str, str]]) -> tuple[LLM
     each message alone) so templates that inject a default system prompt when none is given (Qwen) still
     produce exactly what ``apply_chat_template(chat, add_generation_prompt=True)`` gives.
     """
-    full = _render(tokenizer, chat, add_generation_prompt=True)
+    full = render_chat(tokenizer, chat, add_generation_prompt=True)
     pieces: list[tuple[str, str]] = []
     if chat[0]["role"] == "system":
-        prefix = _render(tokenizer, chat[:1], add_generation_prompt=False)
+        prefix = render_chat(tokenizer, chat[:1], add_generation_prompt=False)
         if prefix and full.startswith(prefix):
             pieces = [("system", prefix), ("user", full[len(prefix) :])]
     if not pieces:  # no system prompt, or a template whose pieces do not concatenate: one user message
         pieces = [("user", full)]
-    log = [{"role": role, "content": text, "token_ids": _tokenize(tokenizer, text)} for role, text in pieces]
+    log = [{"role": role, "content": text, "token_ids": tokenize_text(tokenizer, text)} for role, text in pieces]
     return log, full
 
 
-def _truncate(message_log: LLMMessageLogType, max_seq_length: int) -> tuple[int, float]:
+def truncate_message_log(message_log: LLMMessageLogType, max_seq_length: int) -> tuple[int, float]:
     """Cut the log to its first ``max_seq_length`` tokens in place; returns (length, loss_multiplier).
 
     A sample that had to be cut carries no loss: its prompt (or target) is incomplete, so training on it
@@ -112,6 +117,16 @@ def _hidden_columns(datum: Mapping[str, Any], idx: int) -> dict[str, Any]:
     return extra
 
 
+def make_datum_spec(message_log: LLMMessageLogType, *, max_seq_length: int, extra_env_info: dict[str, Any] | None,
+                    idx: int, task_name: str | None, stop_strings: list[str] | None = None) -> DatumSpec:
+    """The ``DatumSpec`` a processor returns: the log cut to ``max_seq_length`` tokens (a sample that had
+    to be cut carries no loss, ``loss_multiplier`` 0), its length, and what the environment is told
+    (``extra_env_info``, never shown to the model)."""
+    length, loss_multiplier = truncate_message_log(message_log, max_seq_length)
+    return DatumSpec(message_log=message_log, length=length, extra_env_info=extra_env_info,
+                     loss_multiplier=loss_multiplier, idx=idx, task_name=task_name, stop_strings=stop_strings)
+
+
 def math_data_processor(
     datum: dict[str, Any],
     task_data_spec: TaskDataSpec,
@@ -127,16 +142,8 @@ def math_data_processor(
     """
     chat = _prompt_chat(datum, task_data_spec, idx)
     message_log, _ = _prompt_message_log(tokenizer, chat)
-    length, loss_multiplier = _truncate(message_log, max_seq_length)
-    return DatumSpec(
-        message_log=message_log,
-        length=length,
-        extra_env_info=_hidden_columns(datum, idx),
-        loss_multiplier=loss_multiplier,
-        idx=idx,
-        task_name=task_data_spec.task_name,
-        stop_strings=None,
-    )
+    return make_datum_spec(message_log, max_seq_length=max_seq_length, extra_env_info=_hidden_columns(datum, idx),
+                           idx=idx, task_name=task_data_spec.task_name)
 
 
 def sft_data_processor(
@@ -161,25 +168,17 @@ def sft_data_processor(
     response = response_fn(datum) if response_fn is not None else _field(datum, response_key, idx)
     if not isinstance(response, str):
         raise TypeError(f"row {idx}: the response must be a string, got {type(response).__name__}")
-    full = _render(tokenizer, chat + [{"role": "assistant", "content": response}], add_generation_prompt=False)
+    full = render_chat(tokenizer, chat + [{"role": "assistant", "content": response}], add_generation_prompt=False)
     if not full.startswith(prompt_text):
         raise ValueError(
             "the chat template does not render a conversation as its prompt (with generation prompt) followed "
             "by the assistant turn, so assistant tokens cannot be separated for the SFT loss"
         )
     tail = full[len(prompt_text) :]
-    message_log.append({"role": "assistant", "content": tail, "token_ids": _tokenize(tokenizer, tail)})
-    length, loss_multiplier = _truncate(message_log, max_seq_length)
+    message_log.append({"role": "assistant", "content": tail, "token_ids": tokenize_text(tokenizer, tail)})
     extra = {"ground_truth": str(datum["expected_answer"])} if "expected_answer" in datum else {}
-    return DatumSpec(
-        message_log=message_log,
-        length=length,
-        extra_env_info=extra,
-        loss_multiplier=loss_multiplier,
-        idx=idx,
-        task_name=task_data_spec.task_name,
-        stop_strings=None,
-    )
+    return make_datum_spec(message_log, max_seq_length=max_seq_length, extra_env_info=extra, idx=idx,
+                           task_name=task_data_spec.task_name)
 
 
 class AllTaskProcessedDataset(Dataset):

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import datasets
 
-from nemo_like.data.processors import _truncate
+from nemo_like.data.processors import make_datum_spec, render_chat, tokenize_text
 from nemo_like.environments.tool_environment import TOOL_STOP_STRINGS, format_tool_call, format_tool_response
 from nemo_like.environments.tools import DEFAULT_TOOLS, LOOKUP_TABLE, PRICES, get_tool, tool_schemas
 
@@ -223,24 +223,6 @@ def tool_system_prompt(tool_names: Sequence[str] | None = None, *, style: Litera
 
 
 # --------------------------------------------------------------------------------- processors
-def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
-    if tools:
-        kwargs["tools"] = tools
-    text = tokenizer.apply_chat_template(messages, **kwargs)
-    if not isinstance(text, str):
-        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
-    return text
-
-
-def _ids(tokenizer: Any, text: str) -> Any:
-    import torch
-
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
 def _prompt(datum: dict[str, Any], spec: Any, idx: int) -> list[dict[str, str]]:
     if "problem" not in datum:
         raise KeyError(f"row {idx} has no 'problem' column (columns: {sorted(datum)})")
@@ -277,7 +259,7 @@ def _split_rendered(tokenizer: Any, chat: list[dict], tools: list[dict] | None) 
     done = ""
     for end in ends:
         next_is_assistant = end < len(chat) and chat[end]["role"] == "assistant"
-        text = _render(tokenizer, chat[:end], add_generation_prompt=next_is_assistant, tools=tools)
+        text = render_chat(tokenizer, chat[:end], add_generation_prompt=next_is_assistant, tools=tools)
         if not text.startswith(done):
             raise ValueError(
                 "the chat template does not render a conversation as the concatenation of its turns, so "
@@ -298,18 +280,10 @@ def tool_data_processor(
     so the first turn stops right after a call, like the later turns the environment sets.
     """
     chat = _prompt(datum, task_data_spec, idx)
-    text = _render(tokenizer, chat, add_generation_prompt=True, tools=tools)
-    log = [{"role": "user", "content": text, "token_ids": _ids(tokenizer, text)}]
-    length, loss_multiplier = _truncate(log, max_seq_length)
-    return {
-        "message_log": log,
-        "length": length,
-        "extra_env_info": _env_info(datum, idx),
-        "loss_multiplier": loss_multiplier,
-        "idx": idx,
-        "task_name": task_data_spec.task_name,
-        "stop_strings": list(TOOL_STOP_STRINGS),
-    }
+    text = render_chat(tokenizer, chat, add_generation_prompt=True, tools=tools)
+    log = [{"role": "user", "content": text, "token_ids": tokenize_text(tokenizer, text)}]
+    return make_datum_spec(log, max_seq_length=max_seq_length, extra_env_info=_env_info(datum, idx), idx=idx,
+                           task_name=task_data_spec.task_name, stop_strings=list(TOOL_STOP_STRINGS))
 
 
 def tool_sft_data_processor(
@@ -334,15 +308,7 @@ def tool_sft_data_processor(
     if not turns or turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
         raise ValueError(f"row {idx}: sft_messages must continue the prompt with an assistant turn and end with one")
     chat = _prompt(datum, task_data_spec, idx) + [{"role": m["role"], "content": m["content"]} for m in turns]
-    log = [{"role": role, "content": text, "token_ids": _ids(tokenizer, text)}
+    log = [{"role": role, "content": text, "token_ids": tokenize_text(tokenizer, text)}
            for role, text in _split_rendered(tokenizer, chat, tools)]
-    length, loss_multiplier = _truncate(log, max_seq_length)
-    return {
-        "message_log": log,
-        "length": length,
-        "extra_env_info": _env_info(datum, idx),
-        "loss_multiplier": loss_multiplier,
-        "idx": idx,
-        "task_name": task_data_spec.task_name,
-        "stop_strings": None,
-    }
+    return make_datum_spec(log, max_seq_length=max_seq_length, extra_env_info=_env_info(datum, idx), idx=idx,
+                           task_name=task_data_spec.task_name)

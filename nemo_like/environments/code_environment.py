@@ -35,8 +35,8 @@ from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, vali
 from nemo_like.environments.interfaces import (
     EnvironmentInterface,
     EnvironmentReturn,
-    last_assistant_text,
     normalize_step_inputs,
+    required_assistant_text,
 )
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxResult
 from nemo_like.environments.sandbox_memory import check_memory_split
@@ -204,19 +204,16 @@ class _BadItem(Exception):
     pass
 
 
-def _last_assistant_content(message_log: Any) -> str:
+def _answer(message_log: Any) -> tuple[str, int]:
     try:
-        content = last_assistant_text(message_log)
-    except TypeError as e:
+        return required_assistant_text(message_log)
+    except (TypeError, ValueError) as e:
         raise _BadItem(str(e)) from None
-    if content is None:
-        raise _BadItem("no assistant message")
-    return content
 
 
 def _job(message_log: Any, meta: Any) -> tuple[str, list[str]]:
     """(program, tests) of one sample, or _BadItem."""
-    response = _last_assistant_content(message_log)
+    response = _answer(message_log)[0]
     if not isinstance(meta, Mapping):
         raise _BadItem("metadata is not a dict")
     code = extract_code(response)

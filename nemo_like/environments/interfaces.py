@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # annotations only; see the module docstring for why torch is
 
     from nemo_like.data.interfaces import LLMMessageLogType
 
-__all__ = ["EnvironmentReturn", "EnvironmentInterface", "normalize_step_inputs", "last_assistant_text"]
+__all__ = ["EnvironmentReturn", "EnvironmentInterface", "assistant_turns", "last_assistant_text",
+           "normalize_step_inputs", "required_assistant_text"]
 
 
 class EnvironmentReturn(NamedTuple):
@@ -48,19 +49,38 @@ def normalize_step_inputs(message_log_batch: Any, metadata: Any) -> tuple[list, 
     return batch, (meta + [None] * n)[:n]
 
 
-def last_assistant_text(message_log: Any) -> str | None:
-    """The content of the last assistant message of a log, None when it has none. Raises
-    ``TypeError`` on a malformed log (a message that is not a dict, content that is not a string):
-    an environment grades such a sample 0 and counts it."""
-    for message in reversed(message_log):
+def assistant_turns(message_log: Any) -> tuple[str | None, int]:
+    """(content of the last assistant message or None, how many assistant messages the log holds).
+    Raises ``TypeError`` on a malformed log (not a list, a message that is not a dict, assistant
+    content that is not a string): an environment grades such a sample 0 and counts it."""
+    if not isinstance(message_log, (list, tuple)):
+        raise TypeError(f"message log is a {type(message_log).__name__}, not a list")
+    content: Any = None
+    turns = 0
+    for message in message_log:
         if not isinstance(message, dict):
             raise TypeError(f"message is a {type(message).__name__}, not a dict")
         if message.get("role") == "assistant":
+            turns += 1
             content = message.get("content")
-            if not isinstance(content, str):
-                raise TypeError(f"assistant content is a {type(content).__name__}, not a str")
-            return content
-    return None
+    if turns and not isinstance(content, str):
+        raise TypeError(f"assistant content is a {type(content).__name__}, not a str")
+    return content, turns
+
+
+def required_assistant_text(message_log: Any) -> tuple[str, int]:
+    """Like :func:`assistant_turns` for a grader that needs an answer: ``ValueError`` when the log holds
+    no assistant message (``TypeError`` when malformed)."""
+    content, turns = assistant_turns(message_log)
+    if content is None:
+        raise ValueError("no assistant message")
+    return content, turns
+
+
+def last_assistant_text(message_log: Any) -> str | None:
+    """The content of the last assistant message of a log, None when it has none (the model's answer
+    an environment grades). ``TypeError`` on a malformed log, as :func:`assistant_turns`."""
+    return assistant_turns(message_log)[0]
 
 
 class EnvironmentInterface(abc.ABC):

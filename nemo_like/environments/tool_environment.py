@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
-from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
+from nemo_like.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    normalize_step_inputs,
+    required_assistant_text,
+)
 from nemo_like.environments.tool_calls import (
     MAX_RECORDED_CALLS,
     RESPONSE_CLOSE,
@@ -116,23 +121,11 @@ class _BadItem(Exception):
     pass
 
 
-def _last_assistant(message_log: Any) -> tuple[str, int]:
-    """(content of the last assistant message, number of assistant messages)."""
-    if not isinstance(message_log, (list, tuple)):
-        raise _BadItem(f"message log is a {type(message_log).__name__}, not a list")
-    content: str | None = None
-    turns = 0
-    for message in message_log:
-        if not isinstance(message, dict):
-            raise _BadItem(f"message is a {type(message).__name__}, not a dict")
-        if message.get("role") == "assistant":
-            turns += 1
-            content = message.get("content")
-    if turns == 0:
-        raise _BadItem("no assistant message")
-    if not isinstance(content, str):
-        raise _BadItem(f"assistant content is a {type(content).__name__}")
-    return content, turns
+def _answer(message_log: Any) -> tuple[str, int]:
+    try:
+        return required_assistant_text(message_log)
+    except (TypeError, ValueError) as e:
+        raise _BadItem(str(e)) from None
 
 
 def _ground_truth(meta: dict) -> str:
@@ -349,7 +342,7 @@ class ToolEnvironment(EnvironmentInterface):
                     meta = meta_in[i] if meta_in[i] is not None else {}
                     if not isinstance(meta, dict):
                         raise _BadItem(f"metadata is a {type(meta).__name__}, not a dict")
-                    content, turns = _last_assistant(batch[i])
+                    content, turns = _answer(batch[i])
                     calls, error = parse_tool_calls(content, max_calls=self.config["max_calls_per_turn"])
                     if not calls and error is None:  # the final answer
                         reward = float(answers_match(extract_tool_answer(content), _ground_truth(meta)))
