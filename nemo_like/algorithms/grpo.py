@@ -245,7 +245,7 @@ class GRPOTrainer:
             "train/num_samples": float(rewards.numel()),
             "train/epoch": float(self.sampler.epoch),
         }
-        metrics |= {f"train/{k}": v for k, v in rollout_metrics.items()}
+        metrics |= {f"train/{k}": v for k, v in rollout_metrics.items() if k != "generation_s"}  # timing/generation
         if len(set(batch["task_name"])) > 1:
             metrics |= per_task_metrics(batch, "train")
         metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | ppo_metrics

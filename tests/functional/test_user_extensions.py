@@ -7,6 +7,7 @@ each kind's test then checks its own evidence, and that its options are typed be
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -129,3 +130,29 @@ def test_a_generation_backend_with_its_own_option(run):
     with pytest.raises(ConfigError, match=r"backend 'chunked' cannot stream episodes"):
         _load("policy.generation.colocated=false", "policy.generation.backend=chunked",
               "policy.generation.stream_episodes=true")
+
+
+def _documented_metrics() -> list[re.Pattern]:
+    """The names docs/reference/metrics.md lists, as patterns: ``<task>`` is any one path part, a
+    trailing ``...`` anything, and a bare ``accuracy`` after ``train/<task>/reward_mean`` shares its prefix."""
+    patterns = []
+    for line in (ROOT / "docs" / "reference" / "metrics.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        prefix = ""
+        for token in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if "/" in token:
+                prefix = token.rsplit("/", 1)[0]
+            else:
+                token = f"{prefix}/{token}"
+            body = re.escape(token).replace(re.escape("..."), ".+")
+            patterns.append(re.compile(re.sub(r"<[a-z]+>", "[^/]+", body.replace(r"\<", "<").replace(r"\>", ">")) + "$"))
+    return patterns
+
+
+def test_every_metric_the_run_wrote_is_documented(run):
+    patterns = _documented_metrics()
+    names = {k for row in run["rows"] for k in row} - {"step"}
+    assert len(names) > 30
+    undocumented = sorted(n for n in names if not any(p.match(n) for p in patterns))
+    assert not undocumented, f"add these to docs/reference/metrics.md: {undocumented}"
