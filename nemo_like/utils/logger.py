@@ -50,6 +50,10 @@ class LoggerConfig(BaseModel):
 
     log_dir: str = "logs"
     stdout_enabled: bool = True
+    # "line": one line per step (step, reward, loss, validation accuracy when validated, seconds) and a
+    # table of the validation metrics when there are some; "table": every metric of every step. The
+    # full detail is always in metrics.jsonl.
+    stdout_format: Literal["line", "table"] = "line"
     jsonl_enabled: bool = True
     tensorboard_enabled: bool = True
     wandb_enabled: bool = False
@@ -276,8 +280,27 @@ class Logger:
         if self._wandb_run is not None and values:
             self._wandb_run.log(values, step=step)
         if self.cfg.stdout_enabled and values:
-            self.print_fn(self.format_block(values, step, prefix))
+            if self.cfg.stdout_format == "table":
+                self.print_fn(self.format_block(values, step, prefix))
+            else:
+                self.print_fn(self.format_line(values, step))
+                if val := {k: v for k, v in values.items() if k.startswith("val/")}:
+                    self.print_fn(self.format_block(val, step, "validation"))
         return values
+
+    # The step's line: these metrics when present, in this order (language models, then gym agents).
+    LINE_KEYS = (("reward", "train/reward_mean"), ("return", "train/return_mean"), ("loss", "train/loss"),
+                 ("val/accuracy", "val/accuracy"), ("val/return", "val/return_mean"),
+                 ("critic EV", "critic/vf_explained_var"))
+
+    @classmethod
+    def format_line(cls, values: Mapping[str, float], step: int) -> str:
+        parts = [f"step {step}"]
+        parts += [f"{label} {_format_value(values[k])}" for label, k in cls.LINE_KEYS if k in values]
+        seconds = values.get("timing/total", values.get("timing/validation"))
+        if seconds is not None:
+            parts.append(f"{seconds:.2f} s")
+        return "  ".join(parts)
 
     @staticmethod
     def format_block(values: Mapping[str, float], step: int, prefix: str | None = None) -> str:

@@ -107,7 +107,7 @@ def test_bad_inputs_have_clear_errors(tmp_path):
 
 def test_stdout_block_sorted_aligned_4_sig_digits(tmp_path):
     lines: list[str] = []
-    with Logger(_cfg(tmp_path, stdout_enabled=True), print_fn=lines.append) as logger:
+    with Logger(_cfg(tmp_path, stdout_enabled=True, stdout_format="table"), print_fn=lines.append) as logger:
         logger.log_metrics({"reward_mean": 0.123456, "loss": 12345.678, "n": 3}, step=5, prefix="train")
     assert len(lines) == 1
     block = lines[0].splitlines()
@@ -116,6 +116,23 @@ def test_stdout_block_sorted_aligned_4_sig_digits(tmp_path):
     assert [row.split()[1] for row in block[1:]] == ["1.235e+04", "3", "0.1235"]
     # Values start in the same column.
     assert len({row.index(row.split()[1]) for row in block[1:]}) == 1
+
+
+def test_stdout_is_one_line_per_step_and_a_table_only_at_validation(tmp_path):
+    lines: list[str] = []
+    with Logger(_cfg(tmp_path, stdout_enabled=True), print_fn=lines.append) as logger:
+        logger.log_metrics({"train/reward_mean": 0.61333, "train/loss": 0.0079, "timing/total": 1.266,
+                            "train/grad_norm": 1.08, "perf/train_tokens_per_s": 3e4}, step=1)
+        assert lines == ["step 1  reward 0.6133  loss 0.0079  1.27 s"]
+        logger.log_metrics({"train/reward_mean": 0.7, "timing/total": 0.5, "val/accuracy": 0.875,
+                            "val/num_samples": 32, "timing/validation": 1.1}, step=2)
+    assert lines[1] == "step 2  reward 0.7  val/accuracy 0.875  0.50 s"
+    table = lines[2].splitlines()
+    assert "step 2 [validation]" in table[0] and [r.split()[0] for r in table[1:]] == ["val/accuracy", "val/num_samples"]
+    assert len(lines) == 3
+    # Everything is still in metrics.jsonl.
+    rows = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    assert rows[0]["perf/train_tokens_per_s"] == 3e4 and rows[1]["val/num_samples"] == 32
 
 
 def test_default_print_goes_to_stdout(tmp_path, capsys):
