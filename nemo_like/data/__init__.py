@@ -29,6 +29,7 @@ _EXPORTS = {
     "AllTaskProcessedDataset": "processors",
     "make_datum_spec": "processors",
     "math_data_processor": "processors",
+    "prompt_chat": "processors",
     "render_chat": "processors",
     "tokenize_text": "processors",
     "truncate_message_log": "processors",

@@ -58,7 +58,9 @@ def _field(datum: Mapping[str, Any], key: str, idx: int) -> Any:
     return datum[key]
 
 
-def _prompt_chat(datum: Mapping[str, Any], spec: TaskDataSpec, idx: int) -> list[dict[str, str]]:
+def prompt_chat(datum: Mapping[str, Any], spec: TaskDataSpec, idx: int) -> list[dict[str, str]]:
+    """The prompt's messages: the system prompt, the worked examples (``few_shot``) as earlier turns, then
+    the user turn ``spec.prompt.format(problem)`` (or the row's ``problem``). KeyError naming the row."""
     problem = str(_field(datum, "problem", idx))
     chat: list[dict[str, str]] = []
     if spec.system_prompt:
@@ -140,7 +142,7 @@ def math_data_processor(
     (or the raw problem), ending in the assistant generation prompt. The answer goes to the environment
     only, as ``extra_env_info["ground_truth"]``.
     """
-    chat = _prompt_chat(datum, task_data_spec, idx)
+    chat = prompt_chat(datum, task_data_spec, idx)
     message_log, _ = _prompt_message_log(tokenizer, chat)
     return make_datum_spec(message_log, max_seq_length=max_seq_length, extra_env_info=_hidden_columns(datum, idx),
                            idx=idx, task_name=task_data_spec.task_name)
@@ -163,7 +165,7 @@ def sft_data_processor(
     ``{response}<|im_end|>\\n``) so an SFT loss can train on exactly the assistant tokens, end-of-turn
     token included (the model must learn to stop).
     """
-    chat = _prompt_chat(datum, task_data_spec, idx)
+    chat = prompt_chat(datum, task_data_spec, idx)
     message_log, prompt_text = _prompt_message_log(tokenizer, chat)
     response = response_fn(datum) if response_fn is not None else _field(datum, response_key, idx)
     if not isinstance(response, str):

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import datasets
 
-from nemo_like.data.processors import make_datum_spec, render_chat, tokenize_text
+from nemo_like.data.processors import make_datum_spec, prompt_chat, render_chat, tokenize_text
 from nemo_like.environments.tool_environment import TOOL_STOP_STRINGS, format_tool_call, format_tool_response
 from nemo_like.environments.tools import DEFAULT_TOOLS, LOOKUP_TABLE, PRICES, get_tool, tool_schemas
 
@@ -223,15 +223,6 @@ def tool_system_prompt(tool_names: Sequence[str] | None = None, *, style: Litera
 
 
 # --------------------------------------------------------------------------------- processors
-def _prompt(datum: dict[str, Any], spec: Any, idx: int) -> list[dict[str, str]]:
-    if "problem" not in datum:
-        raise KeyError(f"row {idx} has no 'problem' column (columns: {sorted(datum)})")
-    problem = str(datum["problem"])
-    chat = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
-    chat.append({"role": "user", "content": spec.prompt.format(problem) if spec.prompt else problem})
-    return chat
-
-
 def _env_info(datum: dict[str, Any], idx: int) -> dict[str, Any]:
     truth = datum.get("ground_truth", datum.get("expected_answer"))
     if truth is None:
@@ -279,7 +270,7 @@ def tool_data_processor(
     ``extra_env_info``: ``ground_truth`` and ``expected_calls``; ``stop_strings``: ``["</tool_call>"]``
     so the first turn stops right after a call, like the later turns the environment sets.
     """
-    chat = _prompt(datum, task_data_spec, idx)
+    chat = prompt_chat(datum, task_data_spec, idx)
     text = render_chat(tokenizer, chat, add_generation_prompt=True, tools=tools)
     log = [{"role": "user", "content": text, "token_ids": tokenize_text(tokenizer, text)}]
     return make_datum_spec(log, max_seq_length=max_seq_length, extra_env_info=_env_info(datum, idx), idx=idx,
@@ -307,7 +298,7 @@ def tool_sft_data_processor(
     turns = messages[first:]
     if not turns or turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
         raise ValueError(f"row {idx}: sft_messages must continue the prompt with an assistant turn and end with one")
-    chat = _prompt(datum, task_data_spec, idx) + [{"role": m["role"], "content": m["content"]} for m in turns]
+    chat = prompt_chat(datum, task_data_spec, idx) + [{"role": m["role"], "content": m["content"]} for m in turns]
     log = [{"role": role, "content": text, "token_ids": tokenize_text(tokenizer, text)}
            for role, text in _split_rendered(tokenizer, chat, tools)]
     return make_datum_spec(log, max_seq_length=max_seq_length, extra_env_info=_env_info(datum, idx), idx=idx,
