@@ -259,10 +259,22 @@ def import_user_modules(modules: Any, where: str = "imports") -> list[str]:
     return [m.strip() for m in modules]
 
 
-class MasterConfig(_Strict):
+class UserImports(_Strict):
+    """The ``imports:`` key of a top-level config (this one and the gym trainer's)."""
+
     # Modules imported before everything else is checked: where a user's environments, losses,
     # estimators and backends are registered (the CLI's --import adds to it).
     imports: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_modules_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("imports"):
+            import_user_modules(data["imports"])
+        return data
+
+
+class MasterConfig(UserImports):
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
     policy: PolicyConfig
@@ -274,13 +286,6 @@ class MasterConfig(_Strict):
     bootstrap: BootstrapConfig | None = None
     # A value model (PPO): its own worker group on cluster.critic; `critic: {}` takes the policy's model.
     critic: CriticConfig | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _user_modules_first(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("imports"):
-            import_user_modules(data["imports"])
-        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -17,9 +17,9 @@ from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.algorithms.trajectory_loss import VALUE_LOSS_KEYS, ValueLossConfig
 from nemo_like.config import (
     ConfigError,
+    UserImports,
     apply_overrides,
     format_validation_error,
-    import_user_modules,
     load_yaml_with_defaults,
     with_imports,
 )
@@ -117,8 +117,7 @@ class GymClusterConfig(_Strict):
     num_cpus: int | None = Field(None, ge=1)
 
 
-class GymMasterConfig(_Strict):
-    imports: list[str] = Field(default_factory=list)  # modules imported first (a user's registrations)
+class GymMasterConfig(UserImports):
     env: StepEnvConfig = Field(default_factory=StepEnvConfig)
     policy: AgentPolicyConfig = Field(default_factory=AgentPolicyConfig)
     grpo: TrajectoryGRPOConfig = Field(default_factory=TrajectoryGRPOConfig)
@@ -129,13 +128,6 @@ class GymMasterConfig(_Strict):
     checkpointing: CheckpointingConfig = Field(
         default_factory=lambda: CheckpointingConfig(metric_name="val/return_mean"))
     cluster: GymClusterConfig = Field(default_factory=GymClusterConfig)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _user_modules_first(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("imports"):
-            import_user_modules(data["imports"])
-        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -108,6 +108,9 @@ def test_apply_overrides_force_adds_nested():
         (["loss_fn.name=clipped_pgg"], "loss_fn.name: unknown loss 'clipped_pgg' (did you mean 'clipped_pg'?)"),
         (["grpo.advantage_estimator=rlo"], "grpo.advantage_estimator: unknown advantage estimator 'rlo' (did you mean 'rloo'?)"),
         (["grpo.dynamic_sampling.max_gen_batche=2"], "did you mean grpo.dynamic_sampling.max_gen_batches?"),
+        # A user module that does not import is named, before anything starts.
+        (["--import", "no_such_module_xyz"], "imports: cannot import 'no_such_module_xyz': ModuleNotFoundError"),
+        (["loss_fn.policy_loss=soft_clip"], "loss_fn.policy_loss: unknown policy loss 'soft_clip'"),
     ],
 )
 def test_cli_exits_2_with_one_line(args, message, tmp_path):
