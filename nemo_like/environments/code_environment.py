@@ -39,8 +39,8 @@ from nemo_like.environments.interfaces import (
     required_assistant_text,
 )
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxResult
-from nemo_like.environments.sandbox_memory import check_memory_split
-from nemo_like.environments.sandbox_mounts import check_extra_ro_binds
+from nemo_like.environments.sandbox.memory import check_memory_split
+from nemo_like.environments.sandbox.mounts import check_extra_ro_binds
 
 if TYPE_CHECKING:
     from nemo_like.data.interfaces import LLMMessageLogType
@@ -282,7 +282,7 @@ class CodeEnvironment(EnvironmentInterface):
 
     @property
     def memory_mode(self) -> str:
-        """How a run's memory is capped: "cgroup", "rlimit" or "none" (see ``sandbox_memory``)."""
+        """How a run's memory is capped: "cgroup", "rlimit" or "none" (see ``sandbox.memory``)."""
         return self._sandbox.memory_mode
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:

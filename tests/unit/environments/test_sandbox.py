@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_like.environments import sandbox as sandbox_module
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError, run_many
+from nemo_like.environments.sandbox import core as sandbox_module
 
 REPO = Path(__file__).resolve().parents[3]
 TIMEOUT = 2.0

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_like.environments import sandbox_seccomp as sc
 from nemo_like.environments.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
-from nemo_like.environments.sandbox_memory import find_cgroup_parent
+from nemo_like.environments.sandbox import seccomp as sc
+from nemo_like.environments.sandbox.memory import find_cgroup_parent
 
 TIMEOUT = 5.0
 HAVE_BWRAP = shutil.which("bwrap") is not None

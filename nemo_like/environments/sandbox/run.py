@@ -11,8 +11,8 @@ import signal
 import subprocess
 import time
 
-from nemo_like.environments.sandbox_config import SandboxResult
-from nemo_like.environments.sandbox_prelude import RESULT_LINE_CAP
+from nemo_like.environments.sandbox.config import SandboxResult
+from nemo_like.environments.sandbox.prelude import RESULT_LINE_CAP
 
 __all__ = ["RunState", "communicate", "kill_run", "interpret"]
 

@@ -9,8 +9,8 @@ import math
 import os
 from typing import Any
 
-from nemo_like.environments.sandbox_memory import MIN_PROCESS_MEMORY_MB, check_memory_split, per_process_memory_mb
-from nemo_like.environments.sandbox_mounts import check_extra_ro_binds
+from nemo_like.environments.sandbox.memory import MIN_PROCESS_MEMORY_MB, check_memory_split, per_process_memory_mb
+from nemo_like.environments.sandbox.mounts import check_extra_ro_binds
 
 BWRAP_INSTALL_HINT = "install bubblewrap, e.g. `apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
 
@@ -33,7 +33,7 @@ class SandboxConfig:
 
     timeout_s: wall-clock limit of one run (startup included). cpu_time_s: RLIMIT_CPU (None:
     ``ceil(timeout_s) + 1``). memory_limit_mb: memory of the whole run, all its processes together
-    (0: none; see :mod:`~nemo_like.environments.sandbox_memory` for how, and why it must leave
+    (0: none; see :mod:`~nemo_like.environments.sandbox.memory` for how, and why it must leave
     each of ``max_processes`` at least 24 MiB). max_processes: RLIMIT_NPROC (processes and threads
     of the run). max_file_size_mb: RLIMIT_FSIZE. max_open_files: RLIMIT_NOFILE.
     max_output_bytes: stdout+stderr cap (more kills the run). tmp_size_mb: size of each of the

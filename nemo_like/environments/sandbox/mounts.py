@@ -124,8 +124,8 @@ def probe_interpreter(python: str) -> InterpreterView:
 
 # ------------------------------------------------------------------------------ sensitive dirs
 def _project_root() -> str:
-    # nemo_like/environments/sandbox_mounts.py -> the directory holding the nemo_like package
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    # nemo_like/environments/sandbox/mounts.py -> the directory holding the nemo_like package
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 
 def ray_temp_dirs() -> list[str]:

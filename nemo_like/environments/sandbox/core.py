@@ -4,7 +4,7 @@ Isolation (the default, "bwrap" mode; needs bubblewrap: ``apt-get install -y bub
 --------------------------------------------------------------------------------------------
 Every program runs in a fresh ``bwrap`` container:
 
-* **files** (:mod:`~nemo_like.environments.sandbox_mounts`): an allowlist. The root is empty; the
+* **files** (:mod:`~nemo_like.environments.sandbox.mounts`): an allowlist. The root is empty; the
   system directories (``/usr``, ``/etc``, ``/bin``, ``/lib*``), the few files and directories the
   interpreter needs and the config's ``extra_ro_binds`` are mounted read-only; ``/tmp`` (the cwd)
   and ``/dev/shm`` are private tmpfs capped at ``tmp_size_mb`` each (bwrap ``--size``; a bwrap
@@ -14,7 +14,7 @@ Every program runs in a fresh ``bwrap`` container:
 * **namespaces**: new network (loopback only: nothing outside, not even the host's localhost, is
   reachable), pid (the program sees only its own processes, so it cannot signal the trainer), ipc,
   uts and cgroup namespaces.
-* **syscalls** (:mod:`~nemo_like.environments.sandbox_seccomp`): a seccomp filter refuses new
+* **syscalls** (:mod:`~nemo_like.environments.sandbox.seccomp`): a seccomp filter refuses new
   user/mount/... namespaces (``unshare``, ``setns``, namespace flags of ``clone``), ``mount`` and
   its kin, keyrings, BPF, ptrace, perf events, io_uring, module loading; ``clone3`` says ENOSYS so
   libc falls back to the filterable ``clone``.
@@ -27,7 +27,7 @@ Every program runs in a fresh ``bwrap`` container:
   As a normal user, bwrap runs unprivileged in a new user namespace (RLIMIT_NPROC then counts per
   namespace) with nested user namespaces disabled where bwrap supports it. bwrap always sets
   ``no_new_privs``, so no exec can regain a capability.
-* **memory** (:mod:`~nemo_like.environments.sandbox_memory`): ``memory_limit_mb`` caps the run,
+* **memory** (:mod:`~nemo_like.environments.sandbox.memory`): ``memory_limit_mb`` caps the run,
   all its processes together: a cgroup v2 ``memory.max`` where the machine delegates one
   (``memory_mode == "cgroup"``), else RLIMIT_AS of ``memory_limit_mb / max_processes`` per process
   with RLIMIT_NPROC = ``max_processes`` (``"rlimit"``).
@@ -81,17 +81,17 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from nemo_like.environments.sandbox_config import (
+from nemo_like.environments.sandbox.config import (
     BWRAP_INSTALL_HINT,
     SandboxConfig,
     SandboxResult,
     SandboxUnavailableError,
 )
-from nemo_like.environments.sandbox_memory import THREAD_STACK_BYTES, RunCgroup, find_cgroup_parent
-from nemo_like.environments.sandbox_mounts import SAFE_ENV, filesystem_args, probe_interpreter, sensitive_dirs
-from nemo_like.environments.sandbox_prelude import PRELUDE as _PRELUDE
-from nemo_like.environments.sandbox_run import RunState, communicate, interpret, kill_run
-from nemo_like.environments.sandbox_seccomp import UnsupportedArchError, seccomp_filter
+from nemo_like.environments.sandbox.memory import THREAD_STACK_BYTES, RunCgroup, find_cgroup_parent
+from nemo_like.environments.sandbox.mounts import SAFE_ENV, filesystem_args, probe_interpreter, sensitive_dirs
+from nemo_like.environments.sandbox.prelude import PRELUDE as _PRELUDE
+from nemo_like.environments.sandbox.run import RunState, communicate, interpret, kill_run
+from nemo_like.environments.sandbox.seccomp import UnsupportedArchError, seccomp_filter
 
 __all__ = [
     "SandboxConfig",
@@ -151,7 +151,7 @@ class Sandbox:
     :meth:`run`. Construction checks that the sandbox really works (one tiny run) and raises
     :class:`SandboxUnavailableError` with the reason if not, unless ``allow_unsandboxed``.
     ``mode`` is "bwrap" or "unsandboxed"; ``memory_mode`` is "cgroup", "rlimit" or "none" (see
-    :mod:`~nemo_like.environments.sandbox_memory`), ``memory_mode_reason`` says why.
+    :mod:`~nemo_like.environments.sandbox.memory`), ``memory_mode_reason`` says why.
     """
 
     def __init__(self, config: SandboxConfig | None = None, **overrides: Any) -> None:
