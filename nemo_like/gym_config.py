@@ -49,7 +49,9 @@ class StepEnvConfig(_Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the environment's constructor
     max_episode_steps: int | None = Field(None, ge=1)  # None: the environment's own limit
     min_trajectory_length: int = Field(1, ge=1)  # shorter trajectories are dropped before grouping
+    # Collector actors that run episodes in parallel, each with its own environment instances.
     num_collectors: int = Field(2, ge=1)
+    # Ray CPUs reserved per collector (0.5: two per core); the run refuses to start if they are not free.
     cpus_per_collector: float = Field(1.0, gt=0)
     # A collector whose episodes of one update take longer is killed, restarted and given them again
     # (grpo's collector retries, then the run stops saying why): a simulator that hangs never hangs the run.
@@ -66,25 +68,33 @@ class TrajectoryGRPOConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     group_size: int = Field(8, ge=2)  # K trajectories from one reset seed
+    # Groups (reset seeds) collected per update: num_groups_per_step x group_size trajectories.
     num_groups_per_step: int = Field(8, ge=1)
     # "mean", "mean_std", "rloo", ...: group-relative, on episode returns. "gae": per step, with the
     # network's value head as the critic (trained by loss_fn.vf_coef's value term), gamma and lam below.
     advantage_estimator: str = "mean_std"
+    # Added to the group's std by advantage_estimator mean_std (keeps the division finite).
     adv_eps: float = Field(1e-6, ge=0)
     gamma: float = Field(0.99, ge=0, le=1)  # gae only: discount
     lam: float = Field(0.95, ge=0, le=1)  # gae only: GAE's lambda
     whiten_advantages: bool = True  # gae only: advantages whitened over the batch's real steps
+    # Passes over the update's complete groups, each split into num_minibatches optimizer steps.
     update_epochs: int = Field(2, ge=1)
     num_minibatches: int = Field(1, ge=1)  # optimizer steps per epoch (groups are split, never a trajectory)
     ref_sync_every: int = Field(10, ge=1)  # refresh the frozen reference every N updates (if ref_kl_coef > 0)
     max_refill_rounds: int = Field(2, ge=0)  # extra rounds to complete groups that lost trajectories
+    # Updates to train (a resumed run continues up to it); target_val_return may stop it sooner.
     max_num_steps: int = Field(200, ge=1)
     val_period: int = Field(5, ge=0)  # 0: validate only at start and end
     val_episodes: int = Field(20, ge=1)  # greedy episodes on held-out seeds
+    # Validate the initial policy before the first update (not when a run resumes).
     val_at_start: bool = True
+    # Validate after the last update, unless it was just validated (val_period).
     val_at_end: bool = True
     target_val_return: float | None = None  # stop once val/return_mean reaches this
     max_empty_steps: int = Field(5, ge=1)  # consecutive steps without a complete group: the run stops
+    # Seeds torch and the network's initial weights, each update's reset and action-sampling seeds, and
+    # the minibatch order (validation uses fixed held-out seeds).
     seed: int = 42
 
     @model_validator(mode="before")
@@ -113,7 +123,9 @@ class TrajectoryGRPOConfig(BaseModel):
 
 
 class GymClusterConfig(_Strict):
+    # Ray cluster to join; None: $RAY_ADDRESS, else a new local cluster.
     address: str | None = None
+    # CPUs of the local Ray cluster started here; None: every core. Ignored when joining a cluster.
     num_cpus: int | None = Field(None, ge=1)
 
 
@@ -125,6 +137,7 @@ class GymMasterConfig(UserImports):
     # grpo.advantage_estimator=gae also vf_coef and cliprange_value (the value term, added to any policy loss).
     loss_fn: dict[str, Any] = Field(default_factory=lambda: {"name": "trajectory_pg"})
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    # Its metric_name defaults to val/return_mean here (an agent run logs no val/accuracy).
     checkpointing: CheckpointingConfig = Field(
         default_factory=lambda: CheckpointingConfig(metric_name="val/return_mean"))
     cluster: GymClusterConfig = Field(default_factory=GymClusterConfig)

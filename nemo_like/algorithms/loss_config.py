@@ -40,18 +40,37 @@ class ClippedPGLossConfig(BaseModel):
     # "allow": a registered loss's or surrogate's own options; _combinations checks them.
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
+    # The registered loss: clipped_pg (policy-gradient surrogate + KL to the reference), nll, trajectory_pg,
+    # or one of yours (register_loss).
     name: str = Field("clipped_pg", min_length=1)
+    # The registered surrogate: ppo_clip (token ratio, clipped), gspo (sequence ratio, clipped), cispo
+    # (clipped ratio as a constant weight on the log-prob), or one of yours (register_policy_loss).
     policy_loss: str = Field("ppo_clip", min_length=1)
+    # The probability ratio is clipped below at 1 - this (epsilon low).
     ratio_clip_min: float = Field(0.2, ge=0.0, allow_inf_nan=False)
+    # The probability ratio is clipped above at 1 + this (epsilon high; DAPO's clip-higher raises it).
     ratio_clip_max: float = Field(0.2, ge=0.0, allow_inf_nan=False)
+    # Dual clip (ppo_clip only, > 1): a negative-advantage token's loss is at most -A x this. null: off.
     ratio_clip_c: float | None = Field(None, allow_inf_nan=False)
+    # Coefficient of the per-token k3 KL to the reference policy (the initial weights) added to the loss;
+    # 0 turns the term off and skips the reference model and its log-prob pass.
     reference_policy_kl_penalty: float = Field(0.01, ge=0.0, allow_inf_nan=False)
+    # Weight the KL term by exp(current - generation log-prob) (no gradient): an estimate of the KL under
+    # the current policy rather than under the sampler that generated the tokens.
     use_on_policy_kl_approximation: bool = False
+    # Weight each token's policy-gradient loss by exp(old - generation log-prob) (no gradient): corrects
+    # for the sampler's log-probs differing from the trainer's (other numerics, or older weights).
     use_importance_sampling_correction: bool = False
+    # Cap the importance-sampling weight at this (truncated IS); needs use_importance_sampling_correction.
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # [low, high]: tokens whose importance-sampling weight lies outside get weight 0 (they stay in the
+    # loss's denominators); needs use_importance_sampling_correction.
     importance_sampling_mask: tuple[float, float] | None = None
+    # True: the loss is the mean over the batch's tokens (every token counts the same). False: the mean
+    # of each sample's token mean (every sample counts the same). Ignored with loss_length_normalizer.
     token_level_loss: bool = True
-    # strict: a bool or a float such as 1e3 here is far more likely a slip than a length.
+    # Dr.GRPO reduction: the summed token loss divided by (samples x this constant length) instead of by
+    # token or sample counts; null: off. Strict: a bool or a float such as 1e3 here is more likely a slip.
     loss_length_normalizer: int | None = Field(None, ge=1, strict=True)
 
     @field_validator("ratio_clip_c")

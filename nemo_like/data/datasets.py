@@ -206,8 +206,12 @@ class RewardFnConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # A registered reward function (math_accuracy, boxed_format, or register_reward_fn's) or an import
+    # path "pkg.mod:fn".
     fn: str
+    # Multiplies the function's score; a sample's reward is the weighted sum of its functions' scores.
     weight: float = 1.0
+    # Label of its metrics (<name>/mean, ...); None: the function's __name__.
     name: str | None = None
 
 
@@ -217,7 +221,9 @@ class FewShotExample(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # The example's question, formatted by the dataset's prompt like the real ones.
     problem: str
+    # The assistant's answer to it, in the format the grader reads.
     response: str
 
 
@@ -228,14 +234,22 @@ class DatasetConfig(BaseModel):
 
     path: str | None = None  # local .jsonl/.json/.parquet/.csv, or "hf:<name>"
     split: str = "train"  # hub split; ignored for local files and the generator
+    # A procedural generator instead of a file (kind: arithmetic, the default, tool, code or reasoning_gym).
     generator: GeneratorConfig | None = None
     num_samples: int | None = Field(default=None, gt=0)  # keep at most this many rows (the first ones)
+    # Column holding the question (renamed to "problem").
     problem_key: str = "problem"
+    # Column holding the reference answer the grader checks against (renamed to "expected_answer").
     answer_key: str = "expected_answer"
+    # The task label: its samples go to one environment actor per task, and metrics and validation are
+    # reported per task. Datasets with the same task_name share the first one's actor.
     task_name: str = "math"
+    # The registered environment that grades this data (math, code, tool, reward_fn, reasoning_gym, or
+    # yours), with the options under env.<env_name>; also the data processor unless processor is set.
     env_name: str = "math"
     processor: str | None = None  # data processor by name (see data.processors); None: same as env_name
     prompt: str | None = None  # format string with exactly one "{}"
+    # Text of a system message before the prompt; None: none of ours (a chat template may add its own).
     system_prompt: str | None = None
     few_shot: list[FewShotExample] | None = None  # worked examples, as chat turns before the question
     # Plain callables as the grader (TRL style): graded by the "reward_fn" environment.

@@ -43,6 +43,7 @@ class ReasoningGymEnvConfig(EnvConfig):
 
     # Where the answer is: the last \boxed{...} ("boxed"), or the last <answer_tag>...</answer_tag> ("tag").
     answer_format: Literal["boxed", "tag"] = "boxed"
+    # answer_format "tag" only: the tag's name (letters, digits, _ and -): "answer" reads <answer>...</answer>.
     answer_tag: str = Field(default="answer", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
     # False: a score below 1 becomes 0. Some generators give partial credit (basic_arithmetic scores an
     # answer that contains the right one by their length ratio: "120" for "12" gets 0.67), which a

@@ -94,7 +94,9 @@ class RewardFnSpec(BaseModel):
     # A callable (built from code: it travels to the actor by cloudpickle), a registered name or an
     # import path; Any because a pydantic union would report one error per member.
     fn: Any
+    # Multiplies the function's score (negative: a penalty); a sample's reward is the weighted sum.
     weight: float = Field(default=1.0, strict=True, allow_inf_nan=False)
+    # Label of its metrics (<name>/mean, <name>/num_errors, ...); None: the function's __name__.
     name: str | None = Field(default=None, strict=True, min_length=1)
 
     @field_validator("fn")
@@ -115,6 +117,7 @@ class RewardFnEnvConfig(EnvConfig):
     """``env.reward_fn`` (and the config of a task graded by reward functions)."""
 
     timeout_s: float = Field(default=30.0, gt=0, strict=True, allow_inf_nan=False)  # per function call
+    # The weighted functions that grade (a bare entry is its fn); a dataset's own reward_fns replace them.
     reward_fns: list[RewardFnSpec] = Field(default_factory=list)
 
     @field_validator("reward_fns", mode="before")

@@ -7,7 +7,8 @@ Every registered network is built as ``cls(spec: ObsSpec, config: AgentPolicyCon
 where ``obs`` is a batch: ``Tensor[N, D]`` (vector), ``Tensor[N, C, H, W]`` (image) or
 ``{"image": Tensor[N, C, H, W], "vector": Tensor[N, D]}``. Built-ins: ``mlp`` (vector observations)
 and ``cnn`` (a small conv trunk for images, with the float vector concatenated after it when there is
-one). The value head exists for parity with PPO; the GRPO loss does not use it.
+one). The value head is trained only with ``grpo.advantage_estimator: gae`` (the value term of
+``loss_fn``); the group-relative estimators do not use it.
 """
 
 from __future__ import annotations
@@ -34,12 +35,21 @@ class AgentPolicyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # A registered network: mlp (vector observations), cnn (image observations), or one of yours
+    # (register_agent_network).
     network: str = "mlp"
+    # Widths of the hidden layers of the MLP trunk (for cnn: the MLP after the convolutions); [] puts
+    # the policy and value heads straight on the input features.
     hidden_sizes: list[int] = Field(default_factory=lambda: [64, 64])
+    # Activation after each hidden layer of the MLP (the cnn's convolutions always use ReLU).
     activation: Literal["tanh", "relu"] = "tanh"
+    # cnn only: output channels of each convolution layer (stride 1, no pooling).
     cnn_channels: list[int] = Field(default_factory=lambda: [16, 32])
+    # cnn only: square kernel size of every convolution (padded by kernel_size // 2).
     cnn_kernel_size: int = Field(3, ge=1)
+    # Adam's learning rate (constant; the optimizer is Adam, without weight decay).
     learning_rate: float = Field(1e-3, gt=0)
+    # Added to Adam's denominator for numerical stability.
     adam_eps: float = Field(1e-8, gt=0)
     max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping
     torch_threads: int = Field(1, ge=1)  # per process (learner and each collector)

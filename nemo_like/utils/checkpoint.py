@@ -59,14 +59,18 @@ _SET_ASIDE = "invalid_step_{}"
 class CheckpointingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # Save checkpoints, and resume from the latest one in checkpoint_dir at start.
     enabled: bool = True
+    # Folder of the run's step_<N> checkpoints; locked while a run uses it.
     checkpoint_dir: str = "results/checkpoints"
+    # Save every this many steps, and after the last step (and when a run stops early).
     save_period: int = Field(10, gt=0)
     # None keeps every checkpoint; the latest checkpoint is always kept in addition to the top k.
     keep_top_k: int | None = Field(3, ge=1)
     # Looked up in training_info[metric_name], then training_info["metrics"][metric_name].
     # None ranks checkpoints by recency only.
     metric_name: str | None = "val/accuracy"
+    # Direction of metric_name when checkpoints are ranked (False for a loss).
     higher_is_better: bool = True
 
     @field_validator("checkpoint_dir", mode="before")

@@ -36,8 +36,12 @@ def _fspath_or_none(value: Any) -> Any:
 class WandbConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # The wandb project the run is logged under.
     project: str = "nemo_like"
+    # The run's display name; None: wandb picks one.
     name: str | None = None
+    # "online": upload as the run goes; "offline": write locally only (wandb sync uploads it later);
+    # "disabled": wandb does nothing.
     mode: Literal["online", "offline", "disabled"] = "offline"
     # Where wandb writes its run folder; None means the logger's log_dir.
     dir: str | None = None
@@ -48,14 +52,19 @@ class WandbConfig(BaseModel):
 class LoggerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # Folder of metrics.jsonl, tensorboard/ and config.yaml (the run's config).
     log_dir: str = "logs"
+    # Print the metrics to the console (see stdout_format).
     stdout_enabled: bool = True
     # "line": one line per step (step, reward, loss, validation accuracy when validated, seconds) and a
     # table of the validation metrics when there are some; "table": every metric of every step. The
     # full detail is always in metrics.jsonl.
     stdout_format: Literal["line", "table"] = "line"
+    # Append one JSON row per logged step to <log_dir>/metrics.jsonl.
     jsonl_enabled: bool = True
+    # Write TensorBoard events to <log_dir>/tensorboard.
     tensorboard_enabled: bool = True
+    # Log to Weights & Biases too (settings in wandb; needs the wandb extra).
     wandb_enabled: bool = False
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 

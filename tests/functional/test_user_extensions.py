@@ -7,8 +7,8 @@ each kind's test then checks its own evidence, and that its options are typed be
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -16,23 +16,35 @@ class CriticConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # HF hub id or folder of the value model's trunk (it must tokenize as the policy does); None: the policy's.
     model_name: str | None = None
+    # Compute dtype: FSDP2 mixed precision when sharded, else autocast; the weights stay float32.
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     # Samples per optimizer step, over all workers.
     train_global_batch_size: int | None = None
+    # Samples per forward/backward pass on a worker (gradients accumulate up to the global batch).
     train_micro_batch_size: int = 16
+    # Samples per forward pass when the values of a batch are computed, on a worker.
     forward_micro_batch_size: int = 32
+    # The critic's AdamW; lr defaults to 1e-5 here, not to OptimizerConfig's 1e-4.
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-5)
+    # Its own schedule, in critic optimizer steps ("auto" total_steps is for policy.scheduler only).
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Clip the gradient's global L2 norm to this before each optimizer step; None: no clipping.
     max_grad_norm: float | None = 1.0
     # Half-width of the band around the old values the new values are clipped to (None: no clipping).
     cliprange_value: float | None = 0.5
+    # Multiplies the value loss before the backward pass (> 0). The critic has its own optimizer, so this
+    # scales its gradients (and what max_grad_norm clips) rather than weighing it against the policy loss.
     value_loss_coef: float = 1.0
     # Steps at the start of a run in which only the critic trains (read by the trainer).
     warmup_steps: int = 0
     # Passes over the batch per training step.
     ppo_epochs: int = 1
+    # FSDP2 over the critic's workers (with one worker only for a precision other than float32). Off: a
+    # whole model per worker, gradients all-reduced over workers.
     fsdp: bool = True
+    # Recompute activations in the backward pass instead of keeping them: less memory, more compute.
     activation_checkpointing: bool = False
     # Threads per worker; None = the worker's CPU share from the cluster.
     num_threads: int | None = None

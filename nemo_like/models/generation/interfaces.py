@@ -20,10 +20,16 @@ class GenerationConfig(BaseModel):
     # training workers when colocated, else in rollout workers). Another engine (vLLM, SGLang) is a
     # worker class in one module plus register_generation_backend(); it needs colocated: false.
     backend: str = Field("hf", min_length=1)
+    # Tokens generated per assistant turn at most (less where policy.max_total_sequence_length is reached).
     max_new_tokens: int = Field(32, gt=0)
+    # Sampling temperature; the trainer computes its log-probs at the same temperature. Validation is greedy.
     temperature: float = Field(1.0, gt=0)
+    # Nucleus sampling: draw from the most likely tokens whose probabilities add up to this (1.0: off).
+    # Like top_k, it is left out of the sampled tokens' log-probs (those of the temperature-scaled softmax).
     top_p: float = Field(1.0, gt=0, le=1)
+    # Draw from the k most likely tokens only; None: off.
     top_k: int | None = Field(None, gt=0)
+    # Strings that end a turn when generated (besides EOS), added to those a task sets itself.
     stop_strings: list[str] | None = None
     # Encode each distinct prompt once and share its KV cache with its repeats (GRPO's G samples).
     share_prompt_prefill: bool = True

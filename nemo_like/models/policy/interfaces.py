@@ -14,10 +14,15 @@ from nemo_like.models.generation.interfaces import GenerationConfig
 
 class OptimizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # The optimizer; AdamW (torch.optim.AdamW) is the only one.
     name: Literal["adamw"] = "adamw"
+    # Peak learning rate (the scheduler's warmup and decay scale it).
     lr: float = Field(1e-4, gt=0)
+    # AdamW's decoupled weight decay, on every trainable parameter (norms and biases included).
     weight_decay: float = Field(0.0, ge=0)
+    # Adam's (beta1, beta2): decay rates of the running means of the gradient and of its square.
     betas: tuple[float, float] = (0.9, 0.999)
+    # Added to Adam's denominator for numerical stability.
     eps: float = Field(1e-8, gt=0)
 
 
@@ -27,9 +32,14 @@ class SchedulerConfig(BaseModel):
     there). In a GRPO config ``total_steps: auto`` means the whole run."""
 
     model_config = ConfigDict(extra="forbid")
+    # Optimizer steps of linear warmup from lr / warmup_steps up to lr (0: none).
     warmup_steps: int = Field(0, ge=0)
+    # After warmup: "constant" lr, or "cosine"/"linear" decay to min_lr_ratio x lr at total_steps.
     decay: Literal["constant", "cosine", "linear"] = "constant"
+    # Optimizer step at which the decay ends, warmup included (needed by cosine and linear).
+    # policy.scheduler only: "auto" is the whole GRPO run.
     total_steps: int | None = Field(None, gt=0)
+    # The learning rate the decay ends at, as a fraction of lr.
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
@@ -59,6 +69,8 @@ class SequencePackingConfig(BaseModel):
     instead of right-padded micro-batches of a fixed sample count."""
 
     model_config = ConfigDict(extra="forbid")
+    # Pack the training and log-prob passes (HF backend); replaces train_micro_batch_size and
+    # logprob_batch_size. Not with dynamic_batching.
     enabled: bool = False
     # Tokens computed per forward pass (rows x row width, padding included).
     max_tokens_per_microbatch: int = Field(4096, gt=0)
@@ -77,7 +89,11 @@ class DynamicBatchingConfig(BaseModel):
     """Micro-batches cut by a token budget (samples x their longest) instead of a sample count."""
 
     model_config = ConfigDict(extra="forbid")
+    # Cut the training and log-prob passes by tokens; replaces train_micro_batch_size and
+    # logprob_batch_size. Not with sequence_packing.
     enabled: bool = False
+    # Tokens per forward pass: samples x the longest of them (padding included); at least
+    # policy.max_total_sequence_length.
     max_tokens_per_microbatch: int = Field(4096, gt=0)
 
 
@@ -92,10 +108,16 @@ class LoraConfig(BaseModel):
     or ``all-linear``: every linear layer but the output head."""
 
     model_config = ConfigDict(extra="forbid")
+    # Train LoRA adapters instead of the whole model (HF backend only).
     enabled: bool = False
+    # Rank of each adapter: the inner dimension of its low-rank update.
     rank: int = Field(8, gt=0)
+    # Scale of the update: it is multiplied by alpha / rank.
     alpha: float = Field(16, gt=0)
+    # Dropout on the adapters' input while training (0: none).
     dropout: float = Field(0.0, ge=0, lt=1)
+    # Module names to adapt (q_proj matches model.layers.0.self_attn.q_proj), or "all-linear": every
+    # linear layer but the output head.
     target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
 
     @field_validator("target_modules", mode="before")
@@ -118,20 +140,34 @@ class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_name: str = Field(..., description="HF hub id or local folder (save_pretrained layout)")
+    # HF hub id or local folder of the tokenizer; None: model_name's.
     tokenizer_name: str | None = None
     # The training worker (models/policy/backends.py): "hf" (transformers, FSDP2) or "megatron"
     # (Megatron-core GPTModel; pip install 'nemo_like[megatron]'), or a registered name.
     backend: str = "hf"
+    # Compute dtype. HF backend: weights stay float32, a lower precision is FSDP2 mixed precision (needs
+    # fsdp: true). Megatron: the parameters' dtype. Rollout workers on a GPU generate in it.
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Let transformers run the model's own code from the hub (models it does not ship); passed to from_pretrained.
     trust_remote_code: bool = False
     # Samples per optimizer step, over all workers.
     train_global_batch_size: int = Field(64, gt=0)
+    # Samples per forward/backward pass on a worker (gradients accumulate up to the global batch).
     train_micro_batch_size: int = Field(16, gt=0)
+    # Samples per forward pass of the log-prob passes (old and reference policy) on a worker.
     logprob_batch_size: int = Field(32, gt=0)
+    # Samples per generate call on a worker ("generate" engine), or rows decoded together ("continuous"
+    # engine, unless generation.max_num_seqs is set).
     generation_batch_size: int = Field(64, gt=0)
+    # Longest sample in tokens: prompt, every turn and environment reply; generation stops there (truncated).
     max_total_sequence_length: int = Field(128, gt=1)
+    # Clip the gradient's global L2 norm to this before each optimizer step; None: no clipping.
     max_grad_norm: float | None = 1.0
+    # HF backend: FSDP2 over the workers (sharded weights, gradients and optimizer state; with one worker
+    # only for a precision other than float32). Off: gradients are not averaged over workers: use one.
     fsdp: bool = True
+    # Recompute activations in the backward pass instead of keeping them: less memory, more compute
+    # (not on the Megatron backend).
     activation_checkpointing: bool = False
     # Threads per worker for intra-op parallelism; None = the worker's CPU share from the cluster.
     num_threads: int | None = None
