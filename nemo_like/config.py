@@ -337,14 +337,15 @@ class UserImports(_Strict):
 class MasterConfig(UserImports):
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
-    policy: PolicyConfig
-    data: DataConfig
+    policy: PolicyConfig  # the model that is trained, its workers, optimizer and generation
+    data: DataConfig  # the training and validation datasets and how prompts are cut
     # Options of each environment by its registered name (env.math.timeout_s, env.reward_fn.reward_fns),
     # checked against the environment's config model; a dataset's env_name picks the entry it gets.
     env: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"math": {}})
     logger: LoggerConfig = LoggerConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
+    # Build and SFT the embedded tiny model when policy.model_name is "bootstrap:<name>" (the default run).
     bootstrap: BootstrapConfig | None = None
     # A value model (PPO): its own worker group on cluster.critic; `critic: {}` takes the policy's model.
     critic: CriticConfig | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -67,6 +68,8 @@ def _type_name(ann: Any) -> str:
     if ann is type(None):
         return "null"
     origin = typing.get_origin(ann)
+    if origin is typing.Annotated:  # a tagged union's branch, or a constrained type: the type itself
+        return _type_name(typing.get_args(ann)[0])
     if origin is typing.Literal:
         return " \\| ".join(repr(a) if not isinstance(a, str) else f'"{a}"' for a in typing.get_args(ann))
     if origin in (typing.Union, types.UnionType):
@@ -77,69 +80,98 @@ def _type_name(ann: Any) -> str:
     return getattr(ann, "__name__", str(ann))
 
 
-def _default(f: Any) -> str:
-    if f.default is PydanticUndefined and f.default_factory is None:
-        return "required"
-    value = f.default_factory() if f.default_factory is not None else f.default
+def _show(value: Any) -> str:
     if isinstance(value, BaseModel):
         return "(section)"
+    if isinstance(value, str):  # a default computed from the environment (the cache dir): the same on every machine
+        cache = os.environ.get("NEMO_LIKE_CACHE")
+        value = value.replace(cache, "$NEMO_LIKE_CACHE") if cache else value.replace(os.path.expanduser("~"), "~")
     text = repr(value) if not isinstance(value, str) else f'"{value}"'
     return text.replace("|", "\\|")
 
 
+def _field_default(f: Any) -> Any:
+    if f.default is PydanticUndefined and f.default_factory is None:
+        return PydanticUndefined
+    return f.default_factory() if f.default_factory is not None else f.default
+
+
 def _nested(ann: Any) -> list[type[BaseModel]]:
     args = typing.get_args(ann) or (ann,)
+    if typing.get_origin(ann) is typing.Annotated:
+        args = (args[0],)
     found = []
     for a in args:
         if isinstance(a, type) and issubclass(a, BaseModel):
             found.append(a)
-        elif typing.get_origin(a) is list:
+        elif typing.get_origin(a) in (list, typing.Annotated, typing.Union, types.UnionType):
             found += _nested(a)
-    return found
+    return list(dict.fromkeys(found))  # X | list[X]: one section
 
 
-def _section(prefix: str, model: type[BaseModel], out: list[str], seen: set[str]) -> None:
-    helps = field_help(model)
-    doc = inspect.cleandoc(model.__doc__ or "")
-    if doc.startswith(("!!!", "Usage docs")) or model.__doc__ == BaseModel.__doc__:
-        doc = ""
-    out += [f"### `{prefix}`", ""]
-    if doc:
-        out += [" ".join(doc.split("\n\n")[0].split()), ""]
-    if model.model_config.get("extra") == "allow":
-        out += ["Also takes the options of what this section selects (see *Options of registered components*).", ""]
-    out += ["| key | type | default | what it does |", "|---|---|---|---|"]
-    children = []
-    for name, f in model.model_fields.items():
-        key = f"{prefix}.{name}"
-        help_text = re.sub(r"\s+", " ", helps.get(name, "")).replace("|", "\\|")
-        out.append(f"| `{key}` | {_type_name(f.annotation)} | {_default(f)} | {help_text} |")
-        children += [(key, m) for m in _nested(f.annotation)]
-    out.append("")
-    for key, m in children:
-        if key not in seen:
-            seen.add(key)
-            _section(key, m, out, seen)
+def _instance(model: type[BaseModel], default: Any) -> BaseModel | None:
+    """The section's defaults as its parent sets them (``critic.optimizer`` has its own lr), else the
+    model's own, else None (a section with required keys)."""
+    if isinstance(default, model):
+        return default
+    try:
+        return model()
+    except Exception:  # required keys
+        return None
 
 
-def _top(title: str, model: type[BaseModel], out: list[str]) -> None:
-    out += [f"## {title}", ""]
-    seen: set[str] = set()
-    helps = field_help(model)
-    out += ["| key | type | default | what it does |", "|---|---|---|---|"]
-    sections = []
-    for name, f in model.model_fields.items():
-        nested = _nested(f.annotation)
-        help_text = re.sub(r"\s+", " ", helps.get(name, "")).replace("|", "\\|")
-        out.append(f"| `{name}` | {_type_name(f.annotation)} | {_default(f) if not nested else '(section)'} | {help_text} |")
-        sections += [(name, m) for m in nested]
-    out.append("")
-    for key, m in sections:
-        seen.add(key)
-        _section(key, m, out, seen)
+class _Page:
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.rendered: dict[tuple[type, str], str] = {}  # (model, its defaults) -> the first key shown
+
+    def table(self, prefix: str, model: type[BaseModel], instance: BaseModel | None) -> list[tuple[str, Any, Any]]:
+        helps = field_help(model)
+        self.out += ["| key | type | default | what it does |", "|---|---|---|---|"]
+        children = []
+        for name, f in model.model_fields.items():
+            key = f"{prefix}.{name}" if prefix else name
+            default = getattr(instance, name) if instance is not None else _field_default(f)
+            nested = _nested(f.annotation)
+            shown = "required" if default is PydanticUndefined else _show(default)
+            help_text = re.sub(r"\s+", " ", helps.get(name, "")).replace("|", "\\|")
+            self.out.append(f"| `{key}` | {_type_name(f.annotation)} | {shown} | {help_text} |")
+            children += [(key, m, default) for m in nested]
+        self.out.append("")
+        return children
+
+    def section(self, prefix: str, model: type[BaseModel], default: Any, label: str = "") -> None:
+        instance = _instance(model, default)
+        fingerprint = (model, repr(instance.model_dump()) if instance is not None else "")
+        heading = f"### `{prefix}`" + (f" ({label})" if label else "")
+        if fingerprint in self.rendered:
+            self.out += [heading, "", f"The same keys and defaults as `{self.rendered[fingerprint]}`.", ""]
+            return
+        self.rendered[fingerprint] = prefix
+        doc = inspect.cleandoc(model.__doc__ or "") if model.__doc__ != BaseModel.__doc__ else ""
+        self.out += [heading, ""]
+        if doc:
+            self.out += [" ".join(doc.split("\n\n")[0].split()), ""]
+        if model.model_config.get("extra") == "allow":
+            self.out += ["Also takes the options of what this section selects (see *Options of registered "
+                         "components*).", ""]
+        self.children(self.table(prefix, model, instance))
+
+    def children(self, children: list[tuple[str, Any, Any]]) -> None:
+        kinds: dict[str, int] = {}
+        for key, _, _ in children:
+            kinds[key] = kinds.get(key, 0) + 1
+        for key, m, default in children:
+            self.section(key, m, default, label=m.__name__ if kinds[key] > 1 else "")
 
 
-def _options(out: list[str]) -> None:
+def _top(title: str, model: type[BaseModel], page: _Page) -> None:
+    page.out += [f"## {title}", ""]
+    page.children(page.table("", model, None))
+
+
+def _options(page: _Page) -> None:
+    out = page.out
     out += ["## Options of registered components", "",
             "A registered component may declare its own keys; they are written in the section that selects it "
             "and checked with the rest of the config. The built-in ones:", ""]
@@ -155,19 +187,21 @@ def _options(out: list[str]) -> None:
     for name in ENV_REGISTRY.names():
         model = env_config_model(name)
         if model is not None:
-            _section(f"env.{name}", model, out, set())
+            page.section(f"env.{name}", model, None)
 
 
 def render_config_reference() -> str:
-    out = ["# Config reference", "",
-           "Generated from the schema by `uv run python -m nemo_like.config_reference > docs/reference/config.md`; "
-           "a test fails when this page is stale. How configs are written, inherited and overridden: "
-           "[getting started](../getting_started.md).", ""]
-    _top("Language-model runs (`examples/run_grpo_math.py`)", MasterConfig, out)
-    _options(out)
-    out.append("")
-    _top("Gym agents (`examples/run_grpo_gym.py`)", GymMasterConfig, out)
-    return "\n".join(line.rstrip() for line in out).rstrip() + "\n"
+    page = _Page()
+    page.out += ["# Config reference", "",
+                 "Generated from the schema by `uv run python -m nemo_like.config_reference > "
+                 "docs/reference/config.md`; a test fails when this page is stale. How configs are written, "
+                 "inherited and overridden: [getting started](../getting_started.md).", ""]
+    _top("Language-model runs (`examples/run_grpo_math.py`)", MasterConfig, page)
+    _options(page)
+    page.out.append("")
+    page.rendered.clear()
+    _top("Gym agents (`examples/run_grpo_gym.py`)", GymMasterConfig, page)
+    return "\n".join(line.rstrip() for line in page.out).rstrip() + "\n"
 
 
 if __name__ == "__main__":

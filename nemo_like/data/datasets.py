@@ -33,12 +33,16 @@ class ArithmeticConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # Which generator this is (the default when left out).
     kind: Literal["arithmetic"] = "arithmetic"
+    # Which side of the held-out rule: a problem's split is a hash of its text (10% validation), so
+    # the splits never overlap whatever the seeds.
     split: Literal["train", "validation"]
-    num_samples: int = Field(gt=0)
-    seed: int
-    min_value: int = Field(default=0, ge=0)
-    max_value: int = Field(default=999, ge=0)
+    num_samples: int = Field(gt=0)  # distinct problems to draw from the split
+    seed: int  # which problems are drawn, and in what order
+    min_value: int = Field(default=0, ge=0)  # smallest operand
+    max_value: int = Field(default=999, ge=0)  # largest operand
+    # Operators drawn from: "+", "-" (answers may be negative), "*".
     ops: list[str] = Field(default_factory=lambda: ["+"])
 
     @field_validator("ops")
@@ -143,13 +147,14 @@ class ToolTasksGeneratorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["tool"]
+    kind: Literal["tool"]  # which generator this is
+    # Which side of the held-out rule (a stable hash of each question's text).
     split: Literal["train", "validation"]
-    num_samples: int = Field(gt=0)
-    seed: int
-    kinds: list[str] | None = None  # None: every kind
+    num_samples: int = Field(gt=0)  # distinct questions to draw from the split
+    seed: int  # which questions are drawn, and in what order
+    kinds: list[str] | None = None  # question kinds to draw (see nemo_like.data.tool_tasks); None: every kind
     weights: list[float] | None = None  # relative share of each of `kinds` (None: equal)
-    max_value: int = Field(default=99, ge=1)
+    max_value: int = Field(default=99, ge=1)  # largest operand of the arithmetic questions
 
 
 class CodeTasksGeneratorConfig(BaseModel):
@@ -157,11 +162,12 @@ class CodeTasksGeneratorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["code"]
+    kind: Literal["code"]  # which generator this is
+    # Which side of the held-out rule (a sha256 bucket of each problem's text).
     split: Literal["train", "validation"]
-    num_samples: int | None = Field(default=None, gt=0)
-    seed: int = 0
-    templates: list[str] | None = None  # None: every template
+    num_samples: int | None = Field(default=None, gt=0)  # problems to draw; None: every problem of the split
+    seed: int = 0  # which problems are drawn, and in what order
+    templates: list[str] | None = None  # problem templates to draw from (see nemo_like.data.code_tasks); None: all
 
 
 def _generator_kind(value: Any) -> str | None:

@@ -101,11 +101,13 @@ class ReasoningGymConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["reasoning_gym"]
-    dataset: str
+    kind: Literal["reasoning_gym"]  # which generator this is
+    dataset: str  # a reasoning-gym generator's name (basic_arithmetic, chain_sum, ...)
+    # Which side of the held-out rule: a question's split is a hash of its text (10% validation).
     split: Literal["train", "validation"]
-    num_samples: int = Field(gt=0)
-    seed: int = 0
+    num_samples: int = Field(gt=0)  # distinct questions to keep from the split
+    seed: int = 0  # the generator's seed
+    # The generator's own config keys (its dataclass fields, e.g. min_digits), checked against it.
     options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
