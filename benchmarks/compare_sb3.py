@@ -60,7 +60,7 @@ def zoo_ppo_kwargs() -> dict[str, Any]:
 
 
 def run_ours(config: str, seed: int, overrides: list[str], log_dir: str) -> dict[str, Any]:
-    from nemo_like.gym_experiment import GymGRPOExperiment
+    from nemo_like.gym.experiment import GymGRPOExperiment
 
     ov = [f"grpo.seed={seed}", "cluster.num_cpus=2", "checkpointing.enabled=false", f"logger.log_dir={log_dir}",
           "logger.tensorboard_enabled=false", f"grpo.target_val_return={TARGET}",

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from nemo_like.cli import run_cli, run_grpo_gym
-from nemo_like.gym_config import load_gym_config
+from nemo_like.gym.config import load_gym_config
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_cartpole.yaml"
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
 
 if TYPE_CHECKING:  # a language-model run does not load the gym modules
-    from nemo_like.gym_config import GymMasterConfig
+    from nemo_like.gym.config import GymMasterConfig
 
 
 def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], int | None],
@@ -69,7 +69,7 @@ def run_grpo_gym(config: GymMasterConfig) -> int:
     (no complete group for grpo.max_empty_steps updates) exits with code 1, saying why."""
     import time
 
-    from nemo_like.gym_experiment import GymGRPOExperiment
+    from nemo_like.gym.experiment import GymGRPOExperiment
 
     t0 = time.perf_counter()
     with GymGRPOExperiment(config) as exp:

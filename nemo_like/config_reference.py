@@ -25,7 +25,7 @@ from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from nemo_like.algorithms.policy_losses import LOSSES, POLICY_LOSSES
 from nemo_like.config import MasterConfig
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model
-from nemo_like.gym_config import GymMasterConfig
+from nemo_like.gym.config import GymMasterConfig
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
 from nemo_like.models.policy.backends import POLICY_BACKENDS
 

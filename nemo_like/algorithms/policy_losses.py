@@ -82,7 +82,7 @@ LOSSES: Registry[Callable[..., Any]] = Registry("loss", check=_check_factory, bu
     "clipped_pg": "nemo_like.algorithms.loss_functions.ClippedPGLossFn",
     "nll": "nemo_like.algorithms.loss_functions.NLLLossFn",
     # REINFORCE on whole trajectories (trajectory-level GRPO for step-environment agents).
-    "trajectory_pg": "nemo_like.algorithms.trajectory_loss.TrajectoryPGLossFn",
+    "trajectory_pg": "nemo_like.gym.loss.TrajectoryPGLossFn",
 })
 
 

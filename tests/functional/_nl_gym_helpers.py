@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from nemo_like.environments.step_environment import GymnasiumEnvironment
+from nemo_like.gym.step_env import GymnasiumEnvironment
 
 
 class SlowCartPole(GymnasiumEnvironment):

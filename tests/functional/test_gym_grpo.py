@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_like.config import load_yaml_with_defaults
-from nemo_like.gym_experiment import GymGRPOExperiment
+from nemo_like.gym.experiment import GymGRPOExperiment
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
 CARTPOLE = os.path.join(CONFIGS, "grpo_cartpole.yaml")
@@ -57,7 +57,7 @@ def test_short_trajectories_are_dropped_and_only_complete_groups_trained(tmp_pat
 
 def test_a_run_that_cannot_learn_stops_and_says_why(tmp_path, ray_session):
     from nemo_like.cli import run_cli, run_grpo_gym
-    from nemo_like.gym_config import load_gym_config
+    from nemo_like.gym.config import load_gym_config
 
     def main(argv):  # what examples/run_grpo_gym.py does, in this process (Ray is already up)
         return run_cli(argv, CARTPOLE, run_grpo_gym, loader=load_gym_config)
@@ -132,7 +132,7 @@ def test_a_collector_killed_mid_episode_is_restarted_and_the_run_goes_on(tmp_pat
     import ray
     from _nl_gym_helpers import SlowCartPole
 
-    from nemo_like.environments.step_environment import STEP_ENV_REGISTRY
+    from nemo_like.gym.step_env import STEP_ENV_REGISTRY
 
     with STEP_ENV_REGISTRY.isolated():
         STEP_ENV_REGISTRY.register("slow-cartpole", SlowCartPole)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_like.environments.step_environment import ObsSpec, StepEnvironment
+from nemo_like.gym.step_env import ObsSpec, StepEnvironment
 
 __all__ = ["CatchEnvironment"]
 

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_like.environments.step_environment import ObsSpec, make_step_env, step_env_factory
 from nemo_like.environments.supervision import (
     START_TIMEOUT_S,
     EnvironmentFailureError,
     EnvironmentStartError,
     first_line_of_error,
 )
-from nemo_like.models.agent import AgentPolicyConfig, build_network, obs_to_tensor
+from nemo_like.gym.agent import AgentPolicyConfig, build_network, obs_to_tensor
+from nemo_like.gym.step_env import ObsSpec, make_step_env, step_env_factory
 
 __all__ = ["CollectorGroup", "StaleWeightsError", "Trajectory", "TrajectoryCollector"]
 

@@ -9,9 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nemo_like.environments.catch import CatchEnvironment
-from nemo_like.environments.step_environment import ObsSpec
-from nemo_like.models.agent import (
+from nemo_like.gym.agent import (
     AGENT_NETWORKS,
     AgentPolicyConfig,
     CNNActorCritic,
@@ -22,6 +20,8 @@ from nemo_like.models.agent import (
     obs_to_tensor,
     register_agent_network,
 )
+from nemo_like.gym.catch import CatchEnvironment
+from nemo_like.gym.step_env import ObsSpec
 
 VECTOR = ObsSpec(num_actions=3, vector_dim=4)
 IMAGE = ObsSpec(num_actions=3, image_shape=(1, 10, 5))

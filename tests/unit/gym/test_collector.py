@@ -14,8 +14,8 @@ import ray
 import torch
 from _nl_step_envs import CountdownEnv, InPlaceBufferEnv
 
-from nemo_like.experience.step_collector import CollectorGroup, StaleWeightsError, TrajectoryCollector
-from nemo_like.models.agent import AgentPolicyConfig, build_network
+from nemo_like.gym.agent import AgentPolicyConfig, build_network
+from nemo_like.gym.collector import CollectorGroup, StaleWeightsError, TrajectoryCollector
 
 POLICY = AgentPolicyConfig(hidden_sizes=[8])
 
@@ -107,7 +107,7 @@ def test_observations_are_copied_from_environments_that_reuse_a_buffer():
 
 
 def test_collector_group_spreads_whole_jobs_and_survives_a_killed_collector(ray_session):
-    from nemo_like.environments.step_environment import STEP_ENV_REGISTRY
+    from nemo_like.gym.step_env import STEP_ENV_REGISTRY
 
     with STEP_ENV_REGISTRY.isolated():
         STEP_ENV_REGISTRY.register("countdown-test", CountdownEnv)  # a registration made in the driver only

@@ -16,7 +16,7 @@ import torch
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_config import ClippedPGLossConfig
 from nemo_like.algorithms.loss_functions import LOSSES, get_loss_fn
-from nemo_like.algorithms.trajectory_loss import TrajectoryPGLossConfig, TrajectoryPGLossFn
+from nemo_like.gym.loss import TrajectoryPGLossConfig, TrajectoryPGLossFn
 
 D = torch.float64
 LP = [[-0.5, -1.0, -0.25], [-2.0, -0.75, 0.0]]

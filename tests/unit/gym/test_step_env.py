@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nemo_like.environments.catch import CatchEnvironment
-from nemo_like.environments.step_environment import (
+from nemo_like.gym.catch import CatchEnvironment
+from nemo_like.gym.step_env import (
     STEP_ENV_REGISTRY,
     GymnasiumEnvironment,
     ObsSpec,

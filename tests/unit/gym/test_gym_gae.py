@@ -21,13 +21,13 @@ import pytest
 import torch
 from torch import nn
 
-from nemo_like.algorithms.gym_grpo import GymGRPOTrainer, _Batch, check_value_head, trajectory_gae
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.config import ConfigError
-from nemo_like.environments.step_environment import ObsSpec
-from nemo_like.experience.step_collector import Trajectory
-from nemo_like.gym_config import validate_gym_config
-from nemo_like.models.agent import AGENT_NETWORKS, build_network
+from nemo_like.gym.agent import AGENT_NETWORKS, build_network
+from nemo_like.gym.collector import Trajectory
+from nemo_like.gym.config import validate_gym_config
+from nemo_like.gym.step_env import ObsSpec
+from nemo_like.gym.trainer import GymGRPOTrainer, _Batch, check_value_head, trajectory_gae
 
 SPEC = ObsSpec(num_actions=2, vector_dim=4)
 TERMINATED = [1.8932, 1.31, 0.5]

@@ -15,7 +15,7 @@ backward pass, as SB3's PPO does (here both heads also share the trunk; SB3's Ml
 own 64x64 MLP). Groups still structure collection (K episodes
 per reset seed) but play no part in the advantages.
 
-Collectors are Ray actors (nemo_like.experience.step_collector) that act with the weights of the
+Collectors are Ray actors (nemo_like.gym.collector) that act with the weights of the
 latest update (pushed at the start of every step, checked by version); the learner runs here.
 """
 
@@ -37,14 +37,14 @@ from tqdm.auto import tqdm
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.algorithms.ppo_terms import compute_gae, explained_variance, masked_mean, masked_whiten
-from nemo_like.algorithms.trajectory_loss import value_loss_term
 from nemo_like.config import ConfigError
 from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-from nemo_like.environments.step_environment import ObsSpec, make_step_env
 from nemo_like.environments.supervision import EnvironmentStartError
-from nemo_like.experience.step_collector import CollectorGroup, Trajectory
-from nemo_like.gym_config import GymMasterConfig
-from nemo_like.models.agent import ObsBatch, build_network, obs_index, obs_to_tensor
+from nemo_like.gym.agent import ObsBatch, build_network, obs_index, obs_to_tensor
+from nemo_like.gym.collector import CollectorGroup, Trajectory
+from nemo_like.gym.config import GymMasterConfig
+from nemo_like.gym.loss import value_loss_term
+from nemo_like.gym.step_env import ObsSpec, make_step_env
 from nemo_like.utils.checkpoint import CheckpointManager, training_info
 from nemo_like.utils.checkpoint_io import CheckpointError, load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, progress_interval

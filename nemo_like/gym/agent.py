@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from nemo_like.environments.step_environment import ObsSpec
+from nemo_like.gym.step_env import ObsSpec
 from nemo_like.utils.registry import Registry
 
 __all__ = ["AGENT_NETWORKS", "AgentPolicyConfig", "CNNActorCritic", "MLPActorCritic", "ObsBatch", "build_network",

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from nemo_like.environments.step_environment import ObsSpec, StepEnvironment
+from nemo_like.gym.step_env import ObsSpec, StepEnvironment
 
 
 class CountdownEnv(StepEnvironment):

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_like.algorithms.gym_grpo import GymGRPOTrainer, gym_grpo_train, setup_gym
 from nemo_like.config import apply_overrides
 from nemo_like.experiment import LiveExperiment, close_open_experiments, track_open_experiment
-from nemo_like.gym_config import GymMasterConfig, load_gym_config, validate_gym_config
-from nemo_like.models.agent import obs_to_tensor
+from nemo_like.gym.agent import obs_to_tensor
+from nemo_like.gym.config import GymMasterConfig, load_gym_config, validate_gym_config
+from nemo_like.gym.trainer import GymGRPOTrainer, gym_grpo_train, setup_gym
 from nemo_like.utils.plotting import plot_metrics, save_training_curves
 
 __all__ = ["GymGRPOExperiment", "GYM_CURVES"]

@@ -14,7 +14,7 @@ wrapper divides uint8 images by 255).
 Names resolve through :data:`STEP_ENV_REGISTRY` (the same registry shape as the LLM environments:
 a class or an import path, ``register_step_env("my_env", MyEnv)``); a name nobody registered that
 gymnasium knows (``"CartPole-v1"``, ``"Acrobot-v1"``) is wrapped by :class:`GymnasiumEnvironment`.
-Collectors (nemo_like.experience.step_collector) run these inside Ray actors.
+Collectors (nemo_like.gym.collector) run these inside Ray actors.
 """
 
 from __future__ import annotations
@@ -161,12 +161,12 @@ def _check_step_env(name: str, obj: Any) -> None:
     for method in ("reset", "step", "spec"):
         if isinstance(obj, type) and not callable(getattr(obj, method, None)):
             raise TypeError(f"step environment {name!r}: class {obj.__qualname__} has no {method}() method "
-                            "(see nemo_like.environments.step_environment.StepEnvironment)")
+                            "(see nemo_like.gym.step_env.StepEnvironment)")
 
 
 # Tests and notebooks keep their registrations local with ``with STEP_ENV_REGISTRY.isolated(): ...``.
 STEP_ENV_REGISTRY: Registry[Any] = Registry("step environment", check=_check_step_env, builtins={
-    "Catch-v0": "nemo_like.environments.catch.CatchEnvironment",
+    "Catch-v0": "nemo_like.gym.catch.CatchEnvironment",
 })
 
 

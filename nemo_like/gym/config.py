@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import get_loss_fn
-from nemo_like.algorithms.trajectory_loss import VALUE_LOSS_KEYS, ValueLossConfig
 from nemo_like.config import (
     ConfigError,
     UserImports,
@@ -23,8 +22,9 @@ from nemo_like.config import (
     load_yaml_with_defaults,
     with_imports,
 )
-from nemo_like.environments.step_environment import check_step_env_name
-from nemo_like.models.agent import AgentPolicyConfig
+from nemo_like.gym.agent import AgentPolicyConfig
+from nemo_like.gym.loss import VALUE_LOSS_KEYS, ValueLossConfig
+from nemo_like.gym.step_env import check_step_env_name
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
 from nemo_like.utils.options import apply_registered_options
