@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chunk-mb", type=float, default=64.0)
     args = ap.parse_args(argv)
 
-    from nemo_like.config import GenerationClusterConfig
+    from nemo_like.config_sections import GenerationClusterConfig
     from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray
     from nemo_like.models.generation.rollout_group import RolloutGroup
     from nemo_like.models.policy import PolicyConfig

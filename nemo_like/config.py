@@ -10,14 +10,20 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_needs, get_advantage_estimator
+from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
-from nemo_like.data.datasets import GENERATOR_KINDS, DatasetConfig
+from nemo_like.config_sections import (
+    BootstrapConfig,
+    ClusterConfig,
+    DataConfig,
+    GRPOConfig,
+)
+from nemo_like.data.datasets import GENERATOR_KINDS
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
 from nemo_like.models.critic.config import CriticConfig
@@ -27,7 +33,6 @@ from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.pretrained import check_model_source
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
-from nemo_like.utils.options import apply_registered_options
 
 # policy.model_name of a config whose model the bootstrap builds (any name after the colon).
 BOOTSTRAP_MODEL_PREFIX = "bootstrap:"
@@ -41,235 +46,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DynamicSamplingConfig(_Strict):
-    """DAPO dynamic sampling: groups whose rewards are all equal are dropped and more prompts drawn."""
-
-    # Drop groups whose rewards are all equal (no gradient) and draw more prompts to fill the step.
-    enabled: bool = False
-    # Generation rounds (of grpo.num_prompts_per_step prompts each) at most per step; then the step
-    # trains on the groups it has (the rest of the batch carries no loss; see dynamic_sampling/*).
-    max_gen_batches: int = Field(4, ge=1)
-
-
-class KLInRewardConfig(_Strict):
-    """The KL to the reference policy as a per-token penalty in the reward (RLHF-style PPO), beside or
-    instead of the loss-side ``loss_fn.reference_policy_kl_penalty``. ``adaptive``: the coefficient
-    follows the proportional rule towards ``target_kl`` over ``horizon`` samples, updated after the
-    batch that measured it."""
-
-    # Subtract coef x the per-token KL (old policy vs reference) from the rewards; loads the reference model.
-    enabled: bool = False
-    # "fixed": the coefficient stays init_coef. "adaptive": it is steered towards target_kl after each batch.
-    controller: Literal["fixed", "adaptive"] = "fixed"
-    # The KL coefficient (the starting one with the adaptive controller).
-    init_coef: float = Field(0.001, ge=0)
-    # Adaptive only: the KL aimed at, per response token (averaged over each sample's tokens, then samples).
-    target_kl: float = Field(0.1, gt=0)
-    # Adaptive only: samples over which the coefficient moves; after a batch of n samples it is multiplied
-    # by 1 + clip(kl / target_kl - 1, -0.2, 0.2) * n / horizon.
-    horizon: int = Field(10000, gt=0)
-    # Per-token KL estimate from d = old log-prob - reference log-prob: k1 = d, k2 = d^2 / 2,
-    # k3 = exp(-d) - 1 + d, abs = |d|.
-    estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
-
-
-class GAEConfig(_Strict):
-    """Generalised advantage estimation (``grpo.advantage_estimator: gae``, with a ``critic``)."""
-
-    # Discount per response token (1.0: none, the usual choice for a reward at the end of the response).
-    gamma: float = Field(1.0, ge=0, le=1)
-    # GAE's lambda: 1 gives Monte-Carlo returns minus the values, 0 one-step TD errors (less variance, more bias).
-    lam: float = Field(0.95, ge=0, le=1)
-    # Normalise the advantages to mean 0 and std 1 over the batch's response tokens.
-    whiten_advantages: bool = True
-
-
-class CollapseStopConfig(_Strict):
-    """Stop a run that has collapsed (see nemo_like.algorithms.guards.CollapseWatch)."""
-
-    # Watch the step metrics for the collapse signatures below and stop the run (with a checkpoint) on one.
-    enabled: bool = True
-    patience: int = Field(5, ge=1)  # consecutive steps a signature must last
-    truncation_rate: float = Field(0.9, ge=0, le=1)  # generation collapse: at least this truncated...
-    reward_floor: float = 0.0  # ...and mean reward at most this
-    zero_std_group_frac: float = Field(0.99, gt=0, le=1)  # advantage collapse: this share of groups flat
-
-
-class AsyncRolloutsConfig(_Strict):
-    """Asynchronous GRPO: rollout workers generate and grade the next steps' groups while the trainer
-    trains (needs policy.generation.colocated: false)."""
-
-    # Generate ahead on the rollout group while the trainer trains (also needs
-    # loss_fn.use_importance_sampling_correction; not with dynamic_sampling).
-    enabled: bool = False
-    # How many optimizer steps older than the trained weights a sample's generating weights may be.
-    # 0 is the synchronous loop's guarantee (generation still overlaps grading and validation).
-    max_staleness: int = Field(1, ge=0)
-    # "wait": a batch is not started until its samples are sure to be within the bound. "drop":
-    # generation never waits; a sample past the bound when its step comes is dropped and counted.
-    on_stale: Literal["wait", "drop"] = "wait"
-    # Finished steps' batches that may wait for the trainer (bounds memory and, with "drop", waste).
-    buffer_size: int = Field(2, ge=1)
-
-
-class GRPOConfig(BaseModel):
-    # "allow": the selected estimator's own options (register_advantage_estimator(..., options=Model)),
-    # checked by _estimator_options against that model.
-    model_config = ConfigDict(extra="allow")
-
-    # Prompts drawn from the train data per GRPO step.
-    num_prompts_per_step: int = Field(16, gt=0)
-    # Completions sampled per prompt (G, one group): advantages compare the samples of a group.
-    num_generations_per_prompt: int = Field(8, gt=1)
-    # GRPO steps to train (a resumed run continues up to it); 0: validation only. A step's
-    # num_prompts_per_step x num_generations_per_prompt samples make one or more optimizer steps.
-    max_num_steps: int = Field(100, ge=0)
-    # Not read by the training loop: runs stop on max_num_steps (or max_duration_s) only, and the
-    # prompt sampler starts a new epoch whenever the data runs out.
-    max_num_epochs: int = Field(1000, gt=0)
-    # Wall-clock budget of the training loop in seconds (validation at start included): no step
-    # starts after it is spent, and the end's validation still runs. null: steps alone decide.
-    max_duration_s: float | None = Field(None, gt=0)
-    # Assistant turns per episode at most (1: single-turn); an episode also ends when its environment
-    # ends it or when it reaches policy.max_total_sequence_length.
-    max_rollout_turns: int = Field(1, gt=0)
-    # advantage_estimator "grpo" only: the baseline is the mean of the group's other samples (RLOO)
-    # rather than the group mean, which includes the sample itself.
-    use_leave_one_out_baseline: bool = True
-    # advantage_estimator "grpo" only: divide the advantages by the std of the group's rewards ("group"),
-    # of the whole batch's ("batch"), or not at all (null).
-    std_scale: Literal["group", "batch"] | None = "group"
-    # A registered advantage estimator: grpo, dr_grpo (= mean), mean_std, rloo, reinforce_pp, gae (needs
-    # a critic section), remax, or one of yours (register_advantage_estimator).
-    advantage_estimator: str = "grpo"
-    val_period: int = Field(10, ge=0)  # 0: validate only at start and end
-    # Validate the base model before the first step (not when a run resumes past step 0).
-    val_at_start: bool = True
-    # Validate after the last step, unless that step was just validated (val_period).
-    val_at_end: bool = True
-    # Validation prompts at most, greedy, one sample each: the first ones of the data (of each task in a
-    # multi-task run).
-    max_val_samples: int = Field(256, gt=0)
-    # Truncated samples (cut off by a length limit) stay in their group's baseline but carry no loss:
-    # rewarding a right answer followed by a runaway tail teaches the model never to stop (DAPO).
-    overlong_filtering: bool = False
-    # Use the sampler's log-probs as the old policy's instead of recomputing them ("auto": at float32, when
-    # the sampler is the training model or a backend with the trainer_logprobs capability: the same numbers).
-    reuse_generation_logprobs: bool | Literal["auto"] = "auto"
-    # While reusing, recompute every this many steps (0: never) so the mismatch stays measured.
-    logprob_check_period: int = Field(10, ge=0)
-    # Leave out of the training pass the samples that cannot move the weights: those with no loss
-    # (sample mask 0) and, when the loss gives a zero advantage no gradient (no KL penalty), those
-    # whose advantage is 0 (every group whose rewards are all equal). The update is the same (the
-    # loss's normalisers still count them); the loss's train/ metrics are then over the samples trained.
-    skip_inert_samples: bool = True
-    # A task whose every sample could not be graded (the environment raised, timed out or died) this
-    # many steps in a row stops the run: it would train on nothing. 0: never stop.
-    max_consecutive_env_failures: int = Field(3, ge=0)
-    # Time limit of one environment step call, unless env.<name>.step_timeout_s sets its own.
-    env_step_timeout_s: float = Field(600.0, gt=0)
-    # Turn by turn, tasks whose environment calls took at least this many seconds (moving average)
-    # are generated first, and their calls run while the other tasks generate (a tool waiting on a
-    # web API, a slow sandbox). null: every turn is one generate call, then all calls.
-    slow_env_first_s: float | None = Field(0.5, gt=0)
-    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
-    stop_on_collapse: CollapseStopConfig = CollapseStopConfig()
-    async_rollouts: AsyncRolloutsConfig = AsyncRolloutsConfig()
-    kl_in_reward: KLInRewardConfig = KLInRewardConfig()
-    gae: GAEConfig = GAEConfig()
-    # Seeds Python, NumPy and torch, the prompt sampler's order and the workers (policy, critic, rollout).
-    seed: int = 42
-
-    @model_validator(mode="after")
-    def _estimator_options(self) -> GRPOConfig:
-        apply_registered_options(self, "grpo", [(ADVANTAGE_ESTIMATORS, self.advantage_estimator)])
-        return self
-
-
-class GenerationClusterConfig(_Strict):
-    """The rollout worker group of ``policy.generation.colocated: false`` (data parallel: each worker
-    holds a whole copy of the model and generates its share of a batch)."""
-
-    # Workers (Ray actors) in this group.
-    num_workers: int = Field(1, gt=0)
-    # Ray CPUs reserved per worker; its torch and OpenMP threads are set to this (at least 1) unless
-    # policy.num_threads (critic.num_threads for the critic's group) sets them.
-    cpus_per_worker: float = Field(1.0, gt=0)
-    # Ray GPUs per worker (fractions share a GPU); > 0 puts the worker's model on its GPU, 0 on the CPU.
-    gpus_per_worker: float = Field(0.0, ge=0)
-
-
-class ClusterConfig(_Strict):
-    # The policy's training workers (data parallel ranks); policy.train_global_batch_size must divide by it.
-    num_workers: int = Field(1, gt=0)
-    # Ray CPUs reserved per training worker; its torch and OpenMP threads are set to this (at least 1)
-    # unless policy.num_threads says otherwise.
-    cpus_per_worker: float = Field(1.0, gt=0)
-    # Ray GPUs per training worker; > 0 trains on the GPU, 0 on the CPU.
-    gpus_per_worker: float = Field(0.0, ge=0)
-    # Local cluster size when we start Ray ourselves; None lets Ray count the machine's CPUs.
-    num_cpus: int | None = None
-    # Address of a Ray cluster to join; None: $RAY_ADDRESS, else a new local cluster.
-    address: str | None = None
-    generation: GenerationClusterConfig = GenerationClusterConfig()
-    # The critic's worker group (a `critic` section): data parallel over num_workers, like the policy's.
-    critic: GenerationClusterConfig = GenerationClusterConfig()
-
-
-class ModelBuildConfig(_Strict):
-    # Width of the tiny Llama (must divide by num_heads).
-    hidden_size: int = 128
-    # Decoder layers.
-    num_layers: int = 4
-    # Attention heads per layer.
-    num_heads: int = 4
-    # Width of the MLP; None: 4 x hidden_size.
-    intermediate_size: int | None = None
-    # Positions the model is built for (LlamaConfig.max_position_embeddings), in tokens.
-    max_position_embeddings: int = 256
-    # Strings that become single (non-special) tokens, as Qwen's "<tool_call>" is: shorter tool turns.
-    extra_tokens: list[str] = []
-
-
-class SFTBootstrapConfig(_Strict):
-    # Optimizer steps of the supervised run (0: the randomly initialised model is used as it is).
-    num_steps: int = Field(60, ge=0)
-    # Examples per optimizer step, over all workers.
-    batch_size: int = Field(64, gt=0)
-    # Examples per forward/backward pass on a worker (capped at batch_size).
-    micro_batch_size: int = Field(64, gt=0)
-    # Peak learning rate; it replaces policy.optimizer.lr for this run (AdamW's other settings are policy's).
-    lr: float = Field(3e-3, gt=0)
-    # Optimizer steps of linear warmup to lr.
-    warmup_steps: int = 5
-    # "cosine": decay to 0 over num_steps. (Measured once: 1600 cosine steps left the multi-env base far
-    # weaker than 2400 constant ones, math 17% against 67%; fewer steps do not make up for the decay.)
-    lr_decay: Literal["constant", "cosine"] = "constant"
-    # Batches of similar length (HF Trainer's group_by_length): mixed tasks then pad far less.
-    group_by_length: bool = False
-
-
-class BootstrapConfig(_Strict):
-    """Builds the embedded default base model: a tiny char-level Llama taught the answer format by a
-    short supervised run. Cached under cache_dir keyed by this section, so it is built once."""
-
-    # Build (or take from the cache) the tiny model and train it as policy.model_name; turned off, with
-    # a printed line, when policy.model_name names a model of yours.
-    enabled: bool = True
-    # Where built models are kept (a folder per config); default $NEMO_LIKE_CACHE, else ~/.cache/nemo_like.
-    cache_dir: str = Field(default_factory=lambda: os.environ.get(
-        "NEMO_LIKE_CACHE", str(Path.home() / ".cache" / "nemo_like")))
-    # Seed of the model's initial weights and of the supervised run.
-    seed: int = 0
-    model: ModelBuildConfig = ModelBuildConfig()
-    sft: SFTBootstrapConfig = SFTBootstrapConfig()
-    # The supervised run's data (problems and their answers); None: the datasets of data.train.
-    data: DatasetConfig | None = None
-    # Training workers of the bootstrap SFT (None: cluster.num_workers); the cluster's CPUs are split
-    # among them. One worker with every thread beats two FSDP ranks on a ~1M-parameter model.
-    num_workers: int | None = Field(None, gt=0)
-
-
 def _is_bootstrapped_model(name: str, cache_dir: str | None) -> bool:
     """``name`` is a model the bootstrap built (a folder in its cache, as a saved run's config
     records it once setup resolved the placeholder): resuming that run keeps the bootstrap on."""
@@ -278,27 +54,6 @@ def _is_bootstrapped_model(name: str, cache_dir: str | None) -> bool:
         return Path(name).expanduser().resolve().parent == cache.expanduser().resolve()
     except (OSError, ValueError):
         return False
-
-
-class DataConfig(_Strict):
-    # Longest prompt in tokens (chat template included); a longer one is cut and carries no loss.
-    max_input_seq_length: int = Field(64, gt=0)
-    # A prompt longer than max_input_seq_length is cut and carries no loss; a run where more than this
-    # share of the prompts would be cut is refused before Ray starts (the rest are counted per step).
-    max_cut_prompt_frac: float = Field(0.02, ge=0, le=1)
-    # One dataset, or a list of them for a multi-task run (each routed to its task's environment).
-    train: DatasetConfig | list[DatasetConfig]
-    # Held-out dataset(s) of the greedy validation (grpo.val_period); None: no validation.
-    validation: DatasetConfig | list[DatasetConfig] | None = None
-
-    @property
-    def train_list(self) -> list[DatasetConfig]:
-        return self.train if isinstance(self.train, list) else [self.train]
-
-    @property
-    def validation_list(self) -> list[DatasetConfig]:
-        v = self.validation
-        return [] if v is None else v if isinstance(v, list) else [v]
 
 
 def import_user_modules(modules: Any, where: str = "imports") -> list[str]:

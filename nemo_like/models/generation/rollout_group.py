@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Protocol
 
 import ray
 
-from nemo_like.config import GenerationClusterConfig
+from nemo_like.config_sections import GenerationClusterConfig
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup

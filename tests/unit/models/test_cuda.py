@@ -13,7 +13,7 @@ from _nl_model_test_helpers import tokenized
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_like.algorithms.loss_functions import NLLLossFn
-from nemo_like.config import GenerationClusterConfig
+from nemo_like.config_sections import GenerationClusterConfig
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig

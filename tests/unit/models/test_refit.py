@@ -11,7 +11,7 @@ from _nl_model_test_helpers import tokenized
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_like.algorithms.loss_functions import NLLLossFn
-from nemo_like.config import GenerationClusterConfig
+from nemo_like.config_sections import GenerationClusterConfig
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
