@@ -42,6 +42,10 @@ class StaleWeightsError(RuntimeError):
     """A collector was asked to act with a policy version it does not hold."""
 
 
+# Rewards and returns are kept in float32.
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 @dataclass
 class Trajectory:
     """One episode. ``obs`` is ``[T, ...]`` (or a dict of such arrays); ``logprobs`` are the behaviour
@@ -219,6 +223,15 @@ class TrajectoryCollector:
                     continue
                 if not math.isfinite(reward):
                     self._fail(ep, f"step({a}) returned a non-finite reward {reward}")
+                    continue
+                # A finite float beyond float32's range would become inf after the check above and
+                # poison the whole update's advantages.
+                if abs(reward) > _F32_MAX:
+                    self._fail(ep, f"step({a}): the reward {reward:g} is outside float32's range")
+                    continue
+                if abs(sum(ep.rewards, reward)) > _F32_MAX:
+                    self._fail(ep, f"step({a}): the episode's return {sum(ep.rewards, reward):g} is outside "
+                                   "float32's range")
                     continue
                 ep.obs.append(prev)
                 ep.actions.append(a)

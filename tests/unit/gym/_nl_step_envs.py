@@ -38,6 +38,8 @@ class CountdownEnv(StepEnvironment):
                 raise RuntimeError("simulator exploded")
             if self.bad == "nan":
                 return self._obs(), math.nan, False, False, {}
+            if self.bad == "huge":  # finite as a Python float, inf as a float32
+                return self._obs(), 1e39, False, False, {}
             if self.bad == "shape":
                 return np.zeros(3, dtype=np.float32), 1.0, False, False, {}
             if self.bad == "nan_obs":
@@ -47,6 +49,8 @@ class CountdownEnv(StepEnvironment):
             if self.bad == "text_obs":
                 return np.array(["a", "b"]), 1.0, False, False, {}
         done = self.t >= 1 + self.seed % self.length_mod
+        if self.bad == "huge_sum" and self.seed == self.fail_seed:  # each in float32's range, their sum not
+            return self._obs(), 3e38, done, False, {}
         return self._obs(), 1.0, done, False, {}
 
 

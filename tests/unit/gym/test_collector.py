@@ -87,7 +87,10 @@ def test_greedy_takes_the_argmax():
 
 
 @pytest.mark.parametrize("bad, message", [("raise", r"step\(\d\) raised RuntimeError: simulator exploded"),
-                                          ("nan", "non-finite reward"), ("shape", r"shape \(3,\), expected \(2,\)"),
+                                          ("nan", "non-finite reward"),
+                                          ("huge", r"the reward 1e\+39 is outside float32's range"),
+                                          ("huge_sum", r"return .* is outside float32's range"),
+                                          ("shape", r"shape \(3,\), expected \(2,\)"),
                                           ("nan_obs", "NaN or infinite values"), ("text_obs", "bad observation")])
 def test_a_broken_environment_costs_its_episode_only(bad, message):
     c = _collector(fail_seed=4, bad=bad)
