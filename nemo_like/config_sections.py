@@ -107,8 +107,8 @@ class GRPOConfig(BaseModel):
     # GRPO steps to train (a resumed run continues up to it); 0: validation only. A step's
     # num_prompts_per_step x num_generations_per_prompt samples make one or more optimizer steps.
     max_num_steps: int = Field(100, ge=0)
-    # Not read by the training loop: runs stop on max_num_steps (or max_duration_s) only, and the
-    # prompt sampler starts a new epoch whenever the data runs out.
+    # Passes over the training data at most: no step starts once this many full passes were trained
+    # (whichever of max_num_steps, max_num_epochs and max_duration_s comes first ends the run).
     max_num_epochs: int = Field(1000, gt=0)
     # Wall-clock budget of the training loop in seconds (validation at start included): no step
     # starts after it is spent, and the end's validation still runs. null: steps alone decide.

@@ -275,6 +275,14 @@ class GRPOTrainer:
             self.save_checkpoint(metrics)
         return metrics
 
+    def epochs_trained(self) -> int:
+        """Full passes over the training data whose prompts were handed to training (async: as of the
+        last batch the trainer took, not of the batches generated ahead)."""
+        state = self.sampler.state_dict()
+        if self.async_rollouts is not None:
+            state = self.async_rollouts.resume_sampler_state(state)
+        return int(state["epoch"]) if "epoch" in state else min(int(p["epoch"]) for p in state["parts"])
+
     def reuse_generation_logprobs(self) -> bool:
         """Trust the sampler's log-probs as the old policy's: the same numbers when the sampler is the
         training model at float32 (in-worker HF backend). Recomputed every ``grpo.logprob_check_period``
@@ -440,6 +448,10 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
             if cfg.max_duration_s is not None and time.perf_counter() - began >= cfg.max_duration_s:
                 tqdm.write(f"step {trainer.step_count}: grpo.max_duration_s ({cfg.max_duration_s:g} s) spent, "
                            "no further step")
+                break
+            if trainer.epochs_trained() >= cfg.max_num_epochs:
+                tqdm.write(f"step {trainer.step_count}: grpo.max_num_epochs ({cfg.max_num_epochs}) passes over the "
+                           "training data done, no further step")
                 break
             m = trainer.step()
             results.append(m)

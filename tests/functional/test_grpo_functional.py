@@ -111,3 +111,17 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
     with pytest.raises(ConfigError, match=r"different config: loss_fn.ratio_clip_max \(0.2 -> 0.3\)"):
         setup(_config(run_dir, "grpo.max_num_steps=5", "loss_fn.ratio_clip_max=0.3"))
     assert len(actors()) == created  # no actor was ever started
+
+
+def test_training_stops_after_max_num_epochs_passes_over_the_data(ray_session, tmp_path):
+    # 8 training prompts, 4 a step: a pass is 2 steps, so 2 epochs end the run at step 4 of 10.
+    cfg = _config(tmp_path, "data.train.generator.num_samples=8", "grpo.max_num_epochs=2", "grpo.max_num_steps=10",
+                  "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "cluster.num_workers=1",
+                  "checkpointing.enabled=false")
+    trainer = setup(cfg)
+    try:
+        results = grpo_train(trainer)
+        assert trainer.step_count == 4 and len(results) == 4
+        assert [m["train/epoch"] for m in results] == [0.0, 1.0, 1.0, 2.0]
+    finally:
+        trainer.close()
