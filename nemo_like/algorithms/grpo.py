@@ -75,6 +75,7 @@ class GRPOTrainer:
     loss_fn: LossFunction
     step_count: int = 0
     last_val_metrics: dict[str, float] = field(default_factory=dict)
+    last_val_step: int = -1  # the step last_val_metrics were measured at
     # Per-problem results of the first and the latest validation (task_name, correct), for paired stats.
     first_val_results: dict[str, list] | None = None
     last_val_results: dict[str, list] | None = None
@@ -358,7 +359,7 @@ class GRPOTrainer:
                "val/num_samples": float(n), "timing/validation": time.perf_counter() - t0}
         if len(set(batch["task_name"])) > 1:
             out |= per_task_metrics(batch, "val")
-        self.last_val_metrics = out
+        self.last_val_metrics, self.last_val_step = out, self.step_count
         self.last_val_results = {"task_name": list(batch["task_name"]), "correct": (rewards >= 1.0).tolist()}
         if self.first_val_results is None:
             self.first_val_results = self.last_val_results
@@ -368,11 +369,17 @@ class GRPOTrainer:
         return out
 
     # ---- checkpoints ----------------------------------------------------------------------------
+    def validated_now(self) -> dict[str, float] | None:
+        """The validation metrics when they were measured at this step: a checkpoint is ranked only by
+        what was measured on its own weights (an earlier step's score would make an unvalidated or
+        collapsed checkpoint look best)."""
+        return self.last_val_metrics if self.last_val_step == self.step_count else None
+
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
         tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
-                                                    training_info(self.step_count, self.last_val_metrics, metrics))
+                                                    training_info(self.step_count, self.validated_now(), metrics))
         self.policy.save_checkpoint(str(tmp / "policy"))
         if self.critic is not None:
             self.critic.save_checkpoint(str(tmp / "critic"))

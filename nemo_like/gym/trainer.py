@@ -160,6 +160,7 @@ class GymGRPOTrainer:
     env_steps: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     last_val_metrics: dict[str, float] = field(default_factory=dict)
+    last_val_step: int = -1  # the step last_val_metrics were measured at
     first_val_return: float | None = None
     stop_reason: str | None = None  # the run cannot learn: train() stops, the CLI exits 1
     reached_target: bool = False  # val/return_mean reached grpo.target_val_return: train() stops
@@ -378,7 +379,7 @@ class GymGRPOTrainer:
         out = {"val/return_mean": float(returns.mean()), "val/return_std": float(returns.std()),
                "val/episode_length_mean": float(np.mean([t.length for t in trajs])) if trajs else float("nan"),
                "val/episodes_failed": float(g.val_episodes - len(trajs))}
-        self.last_val_metrics = out
+        self.last_val_metrics, self.last_val_step = out, self.step_count
         if self.first_val_return is None:
             self.first_val_return = out["val/return_mean"]
         if g.target_val_return is not None and out["val/return_mean"] >= g.target_val_return:
@@ -389,11 +390,17 @@ class GymGRPOTrainer:
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
+    def validated_now(self) -> dict[str, float] | None:
+        """The validation metrics when they were measured at this step: a checkpoint is ranked only by
+        what was measured on its own weights (an earlier step's score would make an unvalidated or
+        collapsed checkpoint look best)."""
+        return self.last_val_metrics if self.last_val_step == self.step_count else None
+
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
         tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
-                                                    training_info(self.step_count, self.last_val_metrics, metrics))
+                                                    training_info(self.step_count, self.validated_now(), metrics))
         torch.save({"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "ref": self.ref_net.state_dict() if self.ref_net is not None else None}, tmp / AGENT_FILE)
         (tmp / "run_config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))

@@ -125,3 +125,25 @@ def test_training_stops_after_max_num_epochs_passes_over_the_data(ray_session, t
         assert [m["train/epoch"] for m in results] == [0.0, 1.0, 1.0, 2.0]
     finally:
         trainer.close()
+
+
+def test_checkpoints_are_ranked_only_by_their_own_validation(ray_session, tmp_path):
+    # Validated and saved every second step; saves in between (exp.save() in a notebook, the save of a
+    # collapse stop) must not carry the score of the validation before them, or they would tie with
+    # it and win as the newer.
+    cfg = _config(tmp_path, "grpo.max_num_steps=3", "grpo.val_period=2", "checkpointing.save_period=2",
+                  "checkpointing.keep_top_k=null", "cluster.num_workers=1")
+    trainer = setup(cfg)
+    try:
+        trainer.validate()
+        trainer.step()
+        trainer.save_checkpoint()  # step 1: not validated
+        trainer.step()  # step 2: validated and saved
+        trainer.step()
+        trainer.save_checkpoint()  # step 3: not validated
+        ckpt = trainer.checkpointer
+        infos = {s: ckpt.load_training_info(tmp_path / "ckpt" / f"step_{s}")["metrics"] for s in (1, 2, 3)}
+        assert ["val/accuracy" in infos[s] for s in (1, 2, 3)] == [False, True, False]
+        assert ckpt.get_best_checkpoint_path().name == "step_2"
+    finally:
+        trainer.close()
