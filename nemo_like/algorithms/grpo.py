@@ -545,6 +545,15 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
+        # The environments first: a constructor that raises (no bubblewrap, a tool that does not import,
+        # a service down) fails the run in seconds, naming it, before the model and data are built.
+        envs: dict[str, Any] = {}
+        for ds_cfg in train_cfgs + val_cfgs:
+            if ds_cfg.task_name not in envs:
+                actor = create_env_actor(ds_cfg.env_name, env_config(cfg, ds_cfg))
+                envs[ds_cfg.task_name] = actor
+                resources.append(lambda a=actor: ray.kill(a, no_restart=True))
+        wait_for_env_actors(envs, {d.task_name: d.env_name for d in train_cfgs + val_cfgs})
         if bootstrap:
             from nemo_like.models.bootstrap import ensure_base_model
 
@@ -557,15 +566,6 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
 
         train_ds = build_task_dataset(train_cfgs, train_rows, tokenizer, max_in)
         val_ds = build_task_dataset(val_cfgs, val_rows, tokenizer, max_in) if val_rows else None
-
-        envs: dict[str, Any] = {}
-        for ds_cfg in train_cfgs + val_cfgs:
-            if ds_cfg.task_name not in envs:
-                actor = create_env_actor(ds_cfg.env_name, env_config(cfg, ds_cfg))
-                envs[ds_cfg.task_name] = actor
-                resources.append(lambda a=actor: ray.kill(a, no_restart=True))
-        # A constructor that raised (no bubblewrap, a bad tool) fails the run now, naming it.
-        wait_for_env_actors(envs, {d.task_name: d.env_name for d in train_cfgs + val_cfgs})
 
         policy = Policy(cluster, cfg.policy, seed=cfg.grpo.seed,
                         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0

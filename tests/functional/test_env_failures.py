@@ -89,11 +89,14 @@ def test_environment_that_cannot_start_fails_setup_naming_it(ray_session, tmp_pa
     registry.register_env("math", FailsToStart, overwrite=True)
     before = _live_actors()
     t0 = time.monotonic()
+    fresh = tmp_path / "fresh_cache"  # no base model built yet
     with pytest.raises(EnvironmentStartError) as info:
-        GRPOExperiment(str(CONFIG), _overrides(tmp_path, cache))
+        GRPOExperiment(str(CONFIG), _overrides(tmp_path, fresh))
     assert str(info.value) == ("environment 'math' (task 'math') failed to start: "
                                "RuntimeError: the grading service is unreachable")
     assert time.monotonic() - t0 < 120  # at setup, not after a run of zero rewards
+    # Checked first: before the base model is built (minutes on a first run) or the workers start.
+    assert not fresh.exists() or not any(fresh.iterdir())
     deadline = time.monotonic() + 20
     while _live_actors() > before and time.monotonic() < deadline:  # ray.kill is asynchronous
         time.sleep(0.2)
