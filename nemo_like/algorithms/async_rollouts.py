@@ -32,6 +32,7 @@ class RolloutBatch:
     sampler_state: dict  # the sampler's state right after this batch's prompts were drawn
     started: float = 0.0
     finished: float = 0.0
+    dropped: int = 0  # samples past the staleness bound when the trainer took it (their loss is off)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class AsyncRolloutRunner:
     def __init__(self, *, draw: Callable[[], tuple[BatchedDataDict, dict]],
                  rollout: Callable[[BatchedDataDict], tuple[BatchedDataDict, dict[str, float]]],
                  max_staleness: int, on_stale: str, buffer_size: int, start_index: int, weights_version: int,
-                 end_index: int | None = None):
+                 end_index: int | None = None, sampler_state: dict | None = None):
         self._draw, self._rollout = draw, rollout
         # No batch at or past end_index is started (the run's last step): it would only compete with
         # the final validation. A step asked for past it (the notebook API) lifts the limit.
@@ -87,7 +88,9 @@ class AsyncRolloutRunner:
         self._busy = _Busy()
         self._last_read = (time.perf_counter(), 0.0)  # (wall, busy) at the previous next_batch
         self.dropped_stale = 0
-        self._taken_state: dict | None = None
+        # The sampler as of the last batch the trainer took (before any: as it was when the runner was
+        # made), which a checkpoint records: the threads draw ahead of it.
+        self._taken_state: dict | None = sampler_state
 
     # ---- the trainer's side -----------------------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +139,7 @@ class AsyncRolloutRunner:
         if dropped:
             rb.batch["loss_multiplier"] = rb.batch["loss_multiplier"] * (~stale).float()
             self.dropped_stale += dropped
+        rb.dropped = dropped
         kept = lag[~stale]  # what is trained on (nothing, if every sample is stale)
         metrics = {
             "train/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
@@ -146,6 +150,20 @@ class AsyncRolloutRunner:
             "timing/rollout_batch": rb.finished - rb.started,
         }
         return rb, metrics
+
+    def give_back(self, step: int, rb: RolloutBatch, taken_state: dict) -> None:
+        """Undo ``next_batch(step)`` for a step that failed before training: the batch is next again
+        (its stale samples' loss stays off: the same step drops the same ones) and a checkpoint
+        records the sampler as it was before it was taken."""
+        with self._cond:
+            if self._next_take != step + 1:
+                raise RuntimeError(f"async rollouts: batch {step} given back, but batch {self._next_take - 1} "
+                                   "was the last taken")
+            self._ready[step] = rb
+            self._next_take = step
+            self._taken_state = taken_state
+            self.dropped_stale -= rb.dropped
+            self._cond.notify_all()
 
     def resume_sampler_state(self, fallback: dict) -> dict:
         """The sampler state a checkpoint stores: right after the last batch taken by the trainer

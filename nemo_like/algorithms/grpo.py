@@ -76,6 +76,8 @@ class GRPOTrainer:
     step_count: int = 0
     last_val_metrics: dict[str, float] = field(default_factory=dict)
     last_val_step: int = -1  # the step last_val_metrics were measured at
+    _moved: bool = False  # this step updated a model (step() then counts it as done if it fails)
+    _taken: Any = None  # (step, batch, runner state before) of the async batch this step took
     # Per-problem results of the first and the latest validation (task_name, correct), for paired stats.
     first_val_results: dict[str, list] | None = None
     last_val_results: dict[str, list] | None = None
@@ -110,6 +112,25 @@ class GRPOTrainer:
 
     # ---- one GRPO step --------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
+        """One GRPO step (phases 1-7 in ``_step``). A step that raises (an error, Ctrl-C in a notebook)
+        before any weights moved leaves the trainer as it was: the sampler is put back and an async
+        batch is handed back to the runner, so the next ``step()`` trains the same prompts and a save
+        in between records none of them as trained. Once the critic or the policy was updated the
+        step counts as done (its prompts are not trained twice) and the error is raised."""
+        sampler_state = copy.deepcopy(self.sampler.state_dict())
+        self._moved, self._taken = False, None
+        try:
+            return self._step()
+        except BaseException:
+            if self._moved:
+                self.step_count += 1
+            elif self._taken is not None:
+                self.async_rollouts.give_back(*self._taken)
+            elif self.async_rollouts is None:  # (with async rollouts the runner's threads own the sampler)
+                self.sampler.load_state_dict(sampler_state)
+            raise
+
+    def _step(self) -> dict[str, float]:
         cfg, timer = self.config, Timer()
         G = cfg.grpo.num_generations_per_prompt
         logprob_eff = None
@@ -123,7 +144,9 @@ class GRPOTrainer:
             while True:
                 if self._async_runner() is not None:
                     with timer.time("wait_for_rollouts"):
+                        before = self.async_rollouts.resume_sampler_state({})
                         taken, async_metrics = self.async_rollouts.next_batch(self.step_count)
+                        self._taken = (self.step_count, taken, before)
                     batch, rollout_metrics, idx = taken.batch, taken.metrics, range(taken.batch.size // G)
                 else:
                     with timer.time("data"):
@@ -201,6 +224,7 @@ class GRPOTrainer:
                 advantages, extras = self.ppo.advantages(train_data, rewards, group_ids, timer, greedy_rewards)
                 ppo_metrics = extras["metrics"]
                 if self.critic is not None:
+                    self._moved = True
                     ppo_metrics |= self.ppo.update_critic(train_data, extras, timer)
             train_data["advantages"] = advantages.float()
 
@@ -213,6 +237,7 @@ class GRPOTrainer:
             if not warmup:
                 with timer.time("train"):
                     self.policy.prepare_for_training()
+                    self._moved = True
                     train_metrics = self.policy.train(train_data, self.loss_fn)
                     self.policy.finish_training()
 
@@ -327,7 +352,8 @@ class GRPOTrainer:
         self.async_rollouts = AsyncRolloutRunner(
             draw=draw, rollout=lambda b: self._rollout(b, greedy=False), max_staleness=a.max_staleness,
             on_stale=a.on_stale, buffer_size=a.buffer_size, start_index=self.step_count,
-            weights_version=self.step_count, end_index=self.config.grpo.max_num_steps)
+            weights_version=self.step_count, end_index=self.config.grpo.max_num_steps,
+            sampler_state=copy.deepcopy(self.sampler.state_dict()))
         self._resources.append(self.async_rollouts.close)
         return self.async_rollouts
 

@@ -16,6 +16,7 @@ from nemo_like.algorithms.grpo import setup
 from nemo_like.config import load_config
 from nemo_like.environments import registry
 from nemo_like.environments.math_environment import MathEnvironment
+from nemo_like.utils.checkpoint import load_train_state
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
@@ -139,3 +140,42 @@ def test_the_notebook_api_steps_one_optimizer_step_at_a_time_with_async_rollouts
         threads = list(exp.trainer.async_rollouts._threads)
         assert len(threads) == 2 and all(t.is_alive() for t in threads)  # buffer_size producers
     assert not any(t.is_alive() for t in threads)  # close() stopped them
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ray_session, tmp_path, cache, mode):
+    """Ctrl-C (or a worker error) after the batch was drawn and generated, before any weights moved: the
+    trainer is where it was before the step, a save in between does not record the prompts as trained,
+    and the next step() trains exactly them (it used to raise 'step 0 asked for a batch, but batch 1
+    is next' with async rollouts, and to skip the prompts without)."""
+    extra = ["grpo.async_rollouts.enabled=false"] if mode == "sync" else []
+    trainer = setup(_config(tmp_path, cache, *extra), resume=False)
+    try:
+        prepare, calls = trainer.policy.prepare_for_training, []
+
+        def interrupted_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return prepare()
+
+        trainer.policy.prepare_for_training = interrupted_once
+        before = trainer.sampler.state_dict()
+        with pytest.raises(KeyboardInterrupt):
+            trainer.step()
+        assert trainer.step_count == 0
+        if mode == "sync":
+            assert trainer.sampler.state_dict() == before
+        else:
+            assert trainer.async_rollouts._next_take == 0
+            assert trainer.async_rollouts.resume_sampler_state({}) == before  # the threads drew ahead of it
+        assert load_train_state(trainer.save_checkpoint())["sampler"] == before
+        trainer.step()  # the same prompts, now trained
+        assert trainer.step_count == 1 and len(calls) == 2
+        after = (trainer.sampler.state_dict() if mode == "sync"
+                 else trainer.async_rollouts.resume_sampler_state({}))
+        assert after["position"] == 2 and after["epoch"] == 0  # the first two prompts, drawn once
+        trainer.step()
+        assert trainer.step_count == 2
+    finally:
+        trainer.close()
