@@ -49,7 +49,7 @@ def async_overrides(staleness: int, cpus: int, split: tuple[int, int] | None = N
 
 def run_child(config: str, overrides: list[str], out: str) -> None:
     """One training run: setup, then step() to the end, validating as the config says."""
-    from nemo_like.algorithms.grpo import setup
+    from nemo_like.algorithms.grpo_run import setup
     from nemo_like.config import load_config
 
     cfg = load_config(config, overrides)

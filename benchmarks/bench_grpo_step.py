@@ -18,7 +18,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / 
 
 
 def main(argv: list[str]) -> int:
-    from nemo_like.algorithms.grpo import setup
+    from nemo_like.algorithms.grpo_run import setup
     from nemo_like.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

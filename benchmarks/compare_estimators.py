@@ -242,7 +242,8 @@ def plot(curves: dict[str, dict[str, Any]], labels: dict[str, str], path: str, t
 # one variant (child process)
 # ================================================================================================
 def run_child(name: str, work: Path) -> int:
-    from nemo_like.algorithms.grpo import grpo_train, setup
+    from nemo_like.algorithms.grpo import grpo_train
+    from nemo_like.algorithms.grpo_run import setup
     from nemo_like.config import load_config
 
     spec = json.loads((work / "spec.json").read_text())

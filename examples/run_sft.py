@@ -20,7 +20,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_tiny.yaml"
 
 
 def main(argv: list[str]) -> int:
-    from nemo_like.algorithms.grpo import setup
+    from nemo_like.algorithms.grpo_run import setup
     from nemo_like.config import ConfigError
 
     def run(config) -> None:

@@ -150,7 +150,7 @@ class GRPOExperiment(LiveExperiment):
 
     def __init__(self, config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
                  resume: bool = True):
-        from nemo_like.algorithms.grpo import setup
+        from nemo_like.algorithms.grpo_run import setup
         from nemo_like.utils.checkpoint import CheckpointManager
 
         cfg = _to_config(config, overrides)

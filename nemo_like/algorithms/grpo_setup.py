@@ -1,4 +1,4 @@
-"""What `setup()` in grpo.py builds a run from, apart from the trainer: datasets per task, their
+"""What `setup()` (grpo_run.py) builds a run from, apart from the trainer: datasets per task, their
 sampler, each environment's constructor config, and the check that a checkpoint belongs to this
 recipe. Also used by the SFT bootstrap and the benchmarks, which must not import the trainer."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_like.algorithms.grpo import setup
+from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
 from nemo_like.environments import registry
 from nemo_like.environments.math_environment import MathEnvironment

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from nemo_like.algorithms.grpo import setup
+from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import ConfigError, load_config
 from nemo_like.utils.logger import read_metrics_jsonl
 

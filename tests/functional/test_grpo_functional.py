@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from nemo_like.algorithms.grpo import accuracy_summary, grpo_train, setup
+from nemo_like.algorithms.grpo import accuracy_summary, grpo_train
+from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")

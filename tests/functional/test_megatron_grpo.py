@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from nemo_like.algorithms.grpo import grpo_train, setup
+from nemo_like.algorithms.grpo import grpo_train
+from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
 
 pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")

@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from nemo_like.algorithms.grpo import grpo_train, setup
+from nemo_like.algorithms.grpo import grpo_train
+from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "ppo_math_tiny.yaml")

@@ -206,7 +206,7 @@ def test_lock_refuses_a_second_user_and_is_taken_over_from_a_dead_one(tmp_path):
 
 
 def test_setup_and_cli_refuse_a_checkpoint_dir_in_use_in_one_line(tmp_path):
-    from nemo_like.algorithms.grpo import setup
+    from nemo_like.algorithms.grpo_run import setup
     from nemo_like.config import ConfigError, load_config
 
     d = tmp_path / "ckpt"
@@ -217,7 +217,7 @@ def test_setup_and_cli_refuse_a_checkpoint_dir_in_use_in_one_line(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(f"checkpointing.checkpoint_dir={d} is in use by another "
                                                         f"run (this process (pid {os.getpid()}")):
             setup(load_config(REPO / "examples" / "configs" / "grpo_math_tiny.yaml", overrides))
-        code = ("import sys; from nemo_like.cli import run_cli; from nemo_like.algorithms.grpo import setup; "
+        code = ("import sys; from nemo_like.cli import run_cli; from nemo_like.algorithms.grpo_run import setup; "
                 "sys.exit(run_cli(sys.argv[1:], 'examples/configs/grpo_math_tiny.yaml', setup))")
         out = subprocess.run([sys.executable, "-c", code, *overrides], capture_output=True, text=True, cwd=REPO,
                              timeout=300)
