@@ -36,9 +36,9 @@ from nemo_like.models.generation.backends import backend_capabilities
 from nemo_like.utils.checkpoint import (
     CheckpointManager,
     load_train_state,
+    ranked_training_info,
     restore_rng,
     save_train_state,
-    training_info,
 )
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.perf import throughput_metrics
@@ -383,17 +383,11 @@ class GRPOTrainer:
         return out
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def validated_now(self) -> dict[str, float] | None:
-        """The validation metrics when they were measured at this step: a checkpoint is ranked only by
-        what was measured on its own weights (an earlier step's score would make an unvalidated or
-        collapsed checkpoint look best)."""
-        return self.last_val_metrics if self.last_val_step == self.step_count else None
-
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
-        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
-                                                    training_info(self.step_count, self.validated_now(), metrics))
+        info = ranked_training_info(self.step_count, self.last_val_metrics, self.last_val_step, metrics)
+        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
         self.policy.save_checkpoint(str(tmp / "policy"))
         if self.critic is not None:
             self.critic.save_checkpoint(str(tmp / "critic"))

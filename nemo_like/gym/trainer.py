@@ -45,7 +45,7 @@ from nemo_like.gym.collector import CollectorGroup, Trajectory
 from nemo_like.gym.config import GymMasterConfig
 from nemo_like.gym.loss import value_loss_term
 from nemo_like.gym.step_env import ObsSpec, make_step_env
-from nemo_like.utils.checkpoint import CheckpointManager, training_info
+from nemo_like.utils.checkpoint import CheckpointManager, ranked_training_info
 from nemo_like.utils.checkpoint_io import CheckpointError, load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, progress_interval
 from nemo_like.utils.timer import Timer
@@ -390,17 +390,11 @@ class GymGRPOTrainer:
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def validated_now(self) -> dict[str, float] | None:
-        """The validation metrics when they were measured at this step: a checkpoint is ranked only by
-        what was measured on its own weights (an earlier step's score would make an unvalidated or
-        collapsed checkpoint look best)."""
-        return self.last_val_metrics if self.last_val_step == self.step_count else None
-
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
         if self.checkpointer is None:
             return None
-        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count,
-                                                    training_info(self.step_count, self.validated_now(), metrics))
+        info = ranked_training_info(self.step_count, self.last_val_metrics, self.last_val_step, metrics)
+        tmp = self.checkpointer.init_tmp_checkpoint(self.step_count, info)
         torch.save({"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "ref": self.ref_net.state_dict() if self.ref_net is not None else None}, tmp / AGENT_FILE)
         (tmp / "run_config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))

@@ -42,7 +42,7 @@ from nemo_like.utils.checkpoint_io import (
 from nemo_like.utils.dir_lock import DirLock, DirLockedError
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointingConfig", "DirLockedError", "load_train_state",
-           "training_info",
+           "ranked_training_info", "training_info",
            "restore_rng", "save_train_state", "verify_checkpoint"]
 
 TRAINING_INFO = "training_info.json"
@@ -87,6 +87,14 @@ def training_info(step: int, *metric_dicts: Mapping[str, Any] | None) -> dict[st
         merged.update(d or {})
     return {"step": int(step), "metrics": {k: float(v) for k, v in merged.items()
                                            if isinstance(v, (int, float)) and math.isfinite(v)}}
+
+
+def ranked_training_info(step: int, val_metrics: Mapping[str, Any] | None, val_step: int,
+                         *metric_dicts: Mapping[str, Any] | None) -> dict[str, Any]:
+    """:func:`training_info` for a trainer's save: the validation metrics only when they were measured
+    at this step (``val_step``), so a checkpoint is ranked by its own weights' score; an earlier
+    step's would make an unvalidated or collapsed checkpoint look best (and win ties as the newer)."""
+    return training_info(step, val_metrics if val_step == step else None, *metric_dicts)
 
 
 def _check_step(step: Any) -> int:
