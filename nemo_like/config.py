@@ -24,6 +24,7 @@ from nemo_like.config_sections import (
     GRPOConfig,
 )
 from nemo_like.data.datasets import GENERATOR_KINDS
+from nemo_like.data.processors import PROCESSOR_REGISTRY
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
 from nemo_like.models.critic.config import CriticConfig
@@ -279,6 +280,13 @@ class MasterConfig(UserImports):
         never asks for the answer format the grader reads), for environments registered now."""
         for where, datasets in (("train", self.data.train_list), ("validation", self.data.validation_list)):
             for ds in datasets:
+                processor = ds.processor or ds.env_name
+                if processor not in PROCESSOR_REGISTRY:
+                    default = "" if ds.processor else " (a dataset's processor defaults to its env_name)"
+                    raise ValueError(f"data.{where}.processor (task {ds.task_name!r}): no data processor {processor!r} "
+                                     f"is registered{default}; set data.{where}.processor=math for prompt-only rows "
+                                     f"graded by your environment, or register_processor({processor!r}, ...); "
+                                     f"registered: {PROCESSOR_REGISTRY.names()}")
                 check = getattr(get_env_class(ds.env_name), "check_dataset", None) if ds.env_name in ENV_REGISTRY else None
                 if check is None:
                     continue

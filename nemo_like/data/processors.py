@@ -113,8 +113,9 @@ def truncate_message_log(message_log: LLMMessageLogType, max_seq_length: int) ->
 
 def _hidden_columns(datum: Mapping[str, Any], idx: int) -> dict[str, Any]:
     """What the environment (and reward functions) see of a row: its columns, never shown to the
-    model, with the answer under ``ground_truth``."""
-    extra = {k: v for k, v in datum.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    model, with the answer under ``ground_truth``. Lists and mappings (test cases, allowed answers)
+    reach it too."""
+    extra = {k: v for k, v in datum.items() if isinstance(v, (str, int, float, bool, list, tuple, dict)) or v is None}
     extra["ground_truth"] = str(_field(datum, "expected_answer", idx))
     return extra
 

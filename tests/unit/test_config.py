@@ -171,6 +171,21 @@ def test_env_options_are_checked_against_the_environment_config_model(own_env_re
     assert load_config(TINY, ["++env.later.x=1"]).env["later"] == {"x": 1}
 
 
+def test_a_dataset_whose_processor_nobody_registered_is_a_config_error(own_env_registry):
+    from nemo_like.environments import registry
+    from nemo_like.environments.math_environment import MathEnvironment
+
+    registry.register_env("my_task", MathEnvironment)
+    # The processor defaults to the env_name: found here, not deep in setup after Ray started.
+    with pytest.raises(ConfigError, match=r"data.train.processor \(task 'math'\): no data processor 'my_task' is "
+                                          r"registered \(a dataset's processor defaults to its env_name\); set "
+                                          r"data.train.processor=math"):
+        load_config(TINY, ["data.train.env_name=my_task"])
+    cfg = load_config(TINY, ["data.train.env_name=my_task", "data.train.processor=math",
+                             "data.validation.env_name=my_task", "data.validation.processor=math"])
+    assert cfg.data.train_list[0].processor == "math"
+
+
 def test_your_own_model_turns_the_bootstrap_off_out_loud(tmp_path, capsys):
     folder = tmp_path / "my_model"
     folder.mkdir()

@@ -267,6 +267,13 @@ def test_math_processor_raw_problem_no_system(tok):
     assert datum["extra_env_info"] == {"problem": "7*8=", "expected_answer": 56, "ground_truth": "56"}
 
 
+def test_list_and_mapping_columns_reach_the_environment(tok):
+    # A list of accepted answers or a dict of test cases used to be dropped silently on the way.
+    row = {"problem": "7*8=", "expected_answer": "56", "accepted": ["56", "56.0"], "meta": {"source": "x"}}
+    info = math_data_processor(row, TaskDataSpec(task_name="math"), tok, 256, 0)["extra_env_info"]
+    assert info["accepted"] == ["56", "56.0"] and info["meta"] == {"source": "x"}
+
+
 def test_math_processor_truncation(tok):
     spec = TaskDataSpec(task_name="math", prompt=PROMPT, system_prompt=SYSTEM)
     row = {"problem": "12+30=", "expected_answer": "42"}
