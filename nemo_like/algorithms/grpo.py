@@ -66,6 +66,7 @@ class GRPOTrainer:
     last_val_step: int = -1  # the step last_val_metrics were measured at
     _moved: bool = False  # this step updated a model (step() then counts it as done if it fails)
     _taken: Any = None  # (step, batch, runner state before) of the async batch this step took
+    _retired: list = field(default_factory=list)  # (old environment actor, batches to take before killing it)
     # Per-problem results of the first and the latest validation (task_name, correct), for paired stats.
     first_val_results: dict[str, list] | None = None
     last_val_results: dict[str, list] | None = None
@@ -135,6 +136,7 @@ class GRPOTrainer:
                         before = self.async_rollouts.resume_sampler_state({})
                         taken, async_metrics = self.async_rollouts.next_batch(self.step_count)
                         self._taken = (self.step_count, taken, before)
+                        self._kill_retired()
                     batch, rollout_metrics, idx = taken.batch, taken.metrics, range(taken.batch.size // G)
                 else:
                     with timer.time("data"):
@@ -418,7 +420,7 @@ class GRPOTrainer:
 
     def set_env(self, task: str, actor: Any, env_name: str | None = None) -> None:
         """Grade ``task`` with ``actor`` (of environment ``env_name``) from the next rollout on; the
-        old actor is killed."""
+        old actor is killed once no batch in flight can still be using it."""
         import ray
 
         old = self.envs.get(task)
@@ -427,6 +429,18 @@ class GRPOTrainer:
             self.env_names[task] = env_name
         self._resources.append(lambda a=actor: ray.kill(a, no_restart=True))
         if old is not None and old is not actor:
+            # Async batches started before now may still be grading with the old actor: it is killed
+            # once the trainer has taken them all (else those steps would train on nothing).
+            runner = self.async_rollouts
+            self._retired.append((old, runner._next_draw if runner is not None else 0))
+            self._kill_retired()
+
+    def _kill_retired(self) -> None:
+        import ray
+
+        taken = self.async_rollouts._next_take if self.async_rollouts is not None else 1 << 62
+        for old, until in [r for r in self._retired if taken >= r[1]]:
+            self._retired.remove((old, until))
             try:
                 ray.kill(old, no_restart=True)
             except Exception:  # already dead: nothing to free

@@ -47,6 +47,14 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("base_cache")
 
 
+class SlowerMath(MathEnvironment):
+    """Grades after 1.5 s: the rollout threads are still waiting for it when a step returns."""
+
+    def step(self, message_log_batch, metadata):
+        time.sleep(1.5)
+        return super().step(message_log_batch, metadata)
+
+
 class SlowMath(MathEnvironment):
     """Grades as the math environment does, after a pause (a grader behind a slow service)."""
 
@@ -179,3 +187,36 @@ def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ra
         assert trainer.step_count == 2
     finally:
         trainer.close()
+
+
+def test_swapping_an_environment_with_batches_in_flight_loses_no_grading(ray_session, tmp_path, cache):
+    """set_env (what add_reward_fn does) while the rollout threads grade ahead with the old actor: the
+    old one lives until the trainer has taken those batches, so no step trains on unscorable samples."""
+    import ray
+
+    from nemo_like.environments.registry import create_env_actor
+
+    with registry.ENV_REGISTRY.isolated():
+        registry.register_env("math", SlowerMath, overwrite=True)
+        trainer = setup(_config(tmp_path, cache, "grpo.async_rollouts.buffer_size=3", "checkpointing.enabled=false"),
+                        resume=False)
+        try:
+            trainer.step()
+            time.sleep(0.5)
+            old = trainer.envs["math"]  # batches 1.. are being graded with it (1.5 s a call)
+            assert trainer.async_rollouts._in_flight > 0
+            trainer.set_env("math", create_env_actor("math", {}), env_name="math")
+            rows = [trainer.step() for _ in range(4)]
+            assert [r["train/unscorable_frac"] for r in rows] == [0.0] * 4
+            # ... and once those batches were taken, the old actor was let go.
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(old.__ray_ready__.remote(), timeout=2)
+                except Exception:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("the old environment actor is still alive")
+        finally:
+            trainer.close()
