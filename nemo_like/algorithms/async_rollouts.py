@@ -16,12 +16,16 @@ saved, and a resumed run draws their prompts again and generates them with the r
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+
+# Tries of one batch's rollout before its step is told it failed.
+ROLLOUT_ATTEMPTS = 2
 
 
 @dataclass
@@ -81,6 +85,8 @@ class AsyncRolloutRunner:
         self._next_take = start_index  # index of the next batch the trainer takes
         self._version = weights_version  # of the rollout workers' weights
         self._ready: dict[int, RolloutBatch] = {}
+        self._failed: dict[int, tuple[BatchedDataDict, dict, BaseException]] = {}  # every attempt failed
+        self._redo: dict[int, tuple[BatchedDataDict, dict]] = {}  # failed batches asked for again
         self._in_flight = 0
         self._error: BaseException | None = None
         self._stopped = False
@@ -116,9 +122,15 @@ class AsyncRolloutRunner:
             if self._end is not None and step >= self._end:
                 self._end = None
                 self._cond.notify_all()
-            while step not in self._ready and self._error is None:
+            # Only this step's own batch matters: a later batch that failed is raised when its step comes.
+            while step not in self._ready and step not in self._failed and self._error is None:
                 self._cond.wait(timeout=1.0)
-            if self._error is not None:
+            if step in self._failed:
+                batch, sampler_state, error = self._failed.pop(step)
+                self._redo[step] = (batch, sampler_state)  # a step() called again retries it
+                self._cond.notify_all()
+                raise RuntimeError(f"the rollout of batch {step} failed {ROLLOUT_ATTEMPTS} times: {error!r}") from error
+            if step not in self._ready:
                 raise RuntimeError(f"a rollout thread failed: {self._error!r}") from self._error
             rb = self._ready.pop(step)
             self._next_take += 1
@@ -181,7 +193,9 @@ class AsyncRolloutRunner:
 
     # ---- the producer threads -----------------------------------------------------------------------
     def _may_start(self) -> bool:
-        if self._in_flight + len(self._ready) >= self.buffer_size:
+        if self._redo:  # a failed batch its step asked for again
+            return True
+        if self._in_flight + len(self._ready) + len(self._failed) >= self.buffer_size:
             return False
         if self._end is not None and self._next_draw >= self._end:
             return False
@@ -195,28 +209,41 @@ class AsyncRolloutRunner:
                     self._cond.wait(timeout=1.0)
                 if self._stopped or self._error is not None:
                     return
-                index = self._next_draw
-                try:
-                    batch, sampler_state = self._draw()
-                except BaseException as e:
-                    self._error = e
-                    self._cond.notify_all()
-                    return
-                self._next_draw += 1
+                if self._redo:
+                    index = min(self._redo)
+                    batch, sampler_state = self._redo.pop(index)
+                else:
+                    index = self._next_draw
+                    try:
+                        batch, sampler_state = self._draw()
+                    except BaseException as e:  # the sampler itself: nothing later can be drawn either
+                        self._error = e
+                        self._cond.notify_all()
+                        return
+                    self._next_draw += 1
                 self._in_flight += 1
                 self._busy.enter(time.perf_counter())
             started = time.perf_counter()
-            try:
-                out, metrics = self._rollout(batch)
-                if "policy_version" not in out:
-                    raise KeyError("the rollout returned no policy_version: is the generator a rollout group?")
-            except BaseException as e:  # the trainer re-raises it at its next_batch
-                with self._cond:
-                    self._error = e
+            error: BaseException | None = None
+            for _ in range(ROLLOUT_ATTEMPTS):  # a transient failure (a worker error, a timeout) is tried again
+                try:
+                    out, metrics = self._rollout(copy.deepcopy(batch))  # an attempt may have changed it
+                    if "policy_version" not in out:
+                        raise KeyError("the rollout returned no policy_version: is the generator a rollout group?")
+                    error = None
+                    break
+                except Exception as e:  # noqa: BLE001 - kept for the step that needs this batch
+                    error = e
+                    with self._cond:
+                        if self._stopped:
+                            break
+            if error is not None:
+                with self._cond:  # raised by next_batch when (and only when) this batch's step asks for it
+                    self._failed[index] = (batch, sampler_state, error)
                     self._in_flight -= 1
                     self._busy.leave(time.perf_counter())
                     self._cond.notify_all()
-                return
+                continue
             with self._cond:
                 now = time.perf_counter()
                 self._ready[index] = RolloutBatch(index, out, metrics, sampler_state, started, now)

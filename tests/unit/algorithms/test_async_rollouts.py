@@ -122,6 +122,37 @@ def test_a_failing_rollout_fails_the_step_that_waits_for_it() -> None:
         runner.close()
 
 
+def test_a_transient_rollout_failure_is_tried_again_and_a_later_batch_failing_spares_the_ready_ones() -> None:
+    world = _World(rollout_s=0.001)
+    attempts: dict[int, int] = {}
+
+    def flaky(b):
+        first = int(b["prompt"][0]) // world.per_batch  # the batch's index
+        attempts[first] = attempts.get(first, 0) + 1
+        # Batch 1 fails once (a transient worker error); batch 3 fails on its first two tries (every
+        # attempt a thread makes), then works when its step asks again.
+        if (first == 1 and attempts[first] == 1) or (first == 3 and attempts[first] <= 2):
+            raise ConnectionError(f"rollout worker lost (batch {first})")
+        return world.rollout(b)
+
+    runner = AsyncRolloutRunner(draw=world.draw, rollout=flaky, max_staleness=4, on_stale="wait", buffer_size=3,
+                                start_index=0, weights_version=0)
+    try:
+        for step in range(3):  # batch 3's failure ends nothing before its own step
+            rb, _ = runner.next_batch(step)
+            assert rb.index == step and int(rb.batch["prompt"][0]) == step * world.per_batch
+            runner.weights_updated(step + 1)
+        assert attempts[1] == 2
+        with pytest.raises(RuntimeError, match=r"the rollout of batch 3 failed 2 times: .*batch 3"):
+            runner.next_batch(3)
+        rb, _ = runner.next_batch(3)  # asked again: the same prompts, rolled out again
+        assert rb.index == 3 and rb.batch["prompt"].tolist() == [12, 13, 14, 15] and attempts[3] == 3
+        rb, _ = runner.next_batch(4)
+        assert rb.batch["prompt"].tolist() == [16, 17, 18, 19]  # nothing skipped, nothing drawn twice
+    finally:
+        runner.close()
+
+
 def test_resumed_runner_starts_at_the_resumed_step_and_asks_in_order() -> None:
     world = _World(rollout_s=0.001)
     runner = AsyncRolloutRunner(draw=world.draw, rollout=world.rollout, max_staleness=1, on_stale="wait",
