@@ -87,6 +87,11 @@ class EpisodeStream:
         self._dispatch()  # episodes that ended are no longer counted as to come
         self._mark_idle()
 
+    def restamp(self, queued: set[int], version: int) -> None:
+        """Weights changed: the turns still queued (not prefilled) start on ``version``."""
+        for r in queued & self.turn_version.keys():
+            self.turn_version[r] = version
+
     def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None:
         for r in requests:
             i = self.request_of.pop(r)

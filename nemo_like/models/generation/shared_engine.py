@@ -51,6 +51,7 @@ class Stream(Protocol):
 
     def poll(self, batcher: ContinuousBatcher, block: bool) -> None: ...
     def finished(self, batcher: ContinuousBatcher, requests: list[int]) -> None: ...
+    def restamp(self, queued: set[int], version: int) -> None: ...  # its queued turns start on `version`
     def exhausted(self) -> bool: ...
     def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]: ...
 
@@ -111,8 +112,12 @@ class SharedEngine:
         turns starting later record it, and callers waiting in ``wait_for_version`` go on."""
         with self._cond:
             self._version = int(version)
+            # Turns queued but not prefilled yet are generated wholly by these weights: they say so
+            # (their staleness would be over-reported, and under on_stale: drop dropped for nothing).
+            queued = set(self._batcher.pending) if self._batcher is not None else set()
             for w in self._active:  # a stream still joining takes the version when admitted
                 w.stream.version = self._version
+                w.stream.restamp(queued, self._version)
             self._cond.notify_all()
 
     def wait_for_version(self, version: int, timeout_s: float, broken: Callable[[], str | None]) -> None:

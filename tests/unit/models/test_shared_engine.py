@@ -179,6 +179,36 @@ def test_weights_changed_between_steps_move_later_turns_to_the_new_version(setup
         model.load_state_dict(saved)
 
 
+def test_a_turn_queued_before_a_refit_and_prefilled_after_it_says_the_new_version(setup):
+    """Two decoding rows and more turns than that: the refit lands while some wait in the queue. Those
+    are generated wholly by the new weights and must say so (they were tagged with the old version,
+    over-reporting their staleness); the turns already decoding keep the old one."""
+    tok, model, envs = setup
+    engine = SharedEngine(model, lambda: ContinuousBatcher(model, tok, None, GEN, greedy=True, max_total_length=400,
+                                                           slots=2, device=CPU), lambda: None)
+    batch = _batch(tok, "x", [1] * 6)
+    src = open_stream(batch, tok, envs, max_turns=1, max_seq_len=400, greedy=True)
+    queued_eps: set[int] = set()
+
+    def refit() -> None:  # on the engine thread, between two steps (no weight change is needed to test the tags)
+        queued_eps.update(src.request_of[r] for r in engine._batcher.pending if r in src.request_of)
+        engine.set_version(1)
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(engine.stream, src)
+        deadline = time.time() + 10
+        while engine._batcher is None or not engine._batcher.pending:
+            assert time.time() < deadline
+            time.sleep(0.001)
+        engine.call(refit)
+        fut.result()
+    out, _ = close_stream(src, 0.0)
+    versions = [[m["policy_version"] for m in log if m["role"] == "assistant"][0] for log in out["message_log"]]
+    assert queued_eps, "no turn was queued when the refit landed"
+    assert [v for i, v in enumerate(versions) if i in queued_eps] == [1] * len(queued_eps)
+    assert 0 in versions  # the turns decoding at the refit started on the old weights
+
+
 def test_weights_left_unusable_fail_the_streams_decoding_and_refuse_new_ones(setup):
     """A task that leaves the weights half loaded (``check`` raises afterwards) ends every stream in
     the engine with that error instead of sampling from a mix; a stream joining later is refused,
