@@ -52,10 +52,14 @@ class EpisodeStream:
 
     def __init__(self, episodes: Episodes, envs: dict[str, Any], step_timeouts: dict[str, float] | None,
                  version: int | None = None, step_concurrency: dict[str, int] | None = None,
-                 greedy: bool | None = None):
+                 greedy: bool | None = None, calls_in_flight: dict[str, int] | None = None):
         # ``version``: of the weights a turn starting now is generated with (a shared engine moves it
         # on at a refit; each turn keeps the one it started with). ``greedy``: None, as the engine.
+        # ``calls_in_flight``: task -> environment calls in flight, shared by the streams of one engine:
+        # a task's slots (``step_concurrency``) are the worker's, not each stream's, or the extra calls
+        # would queue in the actor while their time limit runs.
         self.ep, self.envs, self.version, self.greedy = episodes, envs, version, greedy
+        self.calls_in_flight = calls_in_flight if calls_in_flight is not None else {}
         self.limits = step_timeouts or {}
         self.concurrency = step_concurrency or {}
         for task in set(episodes.task_names) - set(envs):
@@ -104,6 +108,12 @@ class EpisodeStream:
     def exhausted(self) -> bool:
         return not self.ready and not self.in_flight and not any(self.to_grade.values())
 
+    def release_calls(self) -> None:
+        """A stream that ends with calls in flight (its engine failed) gives their slots back."""
+        for task, _, _ in self.in_flight.values():
+            self.calls_in_flight[task] -= 1
+        self.in_flight.clear()
+
     # ---- for an engine shared by several streams (models/generation/shared_engine.py) ---------------
     def waits_on(self) -> tuple[list[ray.ObjectRef], float | None]:
         """The environment calls in flight and the earliest of their deadlines (monotonic), if any."""
@@ -132,9 +142,7 @@ class EpisodeStream:
         if not any(self.to_grade.values()):  # called every decode step: nothing to send, nothing to count
             return
         ep = self.ep
-        busy: dict[str, int] = {}
-        for task, _, _ in self.in_flight.values():
-            busy[task] = busy.get(task, 0) + 1
+        busy = self.calls_in_flight
         decoding: dict[str, int] = {}
         for i in [*self.request_of.values(), *(i for i in self.ready if ep.wants_turn(i))]:
             decoding[ep.task_names[i]] = decoding.get(ep.task_names[i], 0) + 1
@@ -148,6 +156,7 @@ class EpisodeStream:
             ref = self.envs[task].step.remote([ep.message_logs[i] for i in idx], [ep.env_infos[i] for i in idx])
             limit = self.limits.get(task, math.inf)
             self.in_flight[ref] = (task, idx, time.monotonic() + limit if math.isfinite(limit) else None)
+            busy[task] = busy.get(task, 0) + 1
             self.to_grade[task] = []
             self.num_calls += 1
 
@@ -176,6 +185,7 @@ class EpisodeStream:
             else:
                 continue
             del self.in_flight[ref]
+            self.calls_in_flight[task] -= 1
             self.ep.add_env_metrics(m, len(idx))
             self.ready += [i for i, ret in zip(idx, rets) if self.ep.apply_return(i, ret, err)]
         self._dispatch()
@@ -222,10 +232,11 @@ def stream_episodes(model, tokenizer, batch: BatchedDataDict, envs: dict[str, An
 
 def open_stream(batch: BatchedDataDict, tokenizer, envs: dict[str, Any], *, max_turns: int, max_seq_len: int,
                 step_timeouts: dict[str, float] | None = None, version: int | None = None,
-                step_concurrency: dict[str, int] | None = None, greedy: bool | None = None) -> EpisodeStream:
+                step_concurrency: dict[str, int] | None = None, greedy: bool | None = None,
+                calls_in_flight: dict[str, int] | None = None) -> EpisodeStream:
     """The request source of ``batch``'s episodes, for an engine to run (``close_stream`` after)."""
     ep = Episodes(batch, tokenizer, max_turns=max_turns, max_seq_len=max_seq_len)
-    return EpisodeStream(ep, envs, step_timeouts, version, step_concurrency, greedy)
+    return EpisodeStream(ep, envs, step_timeouts, version, step_concurrency, greedy, calls_in_flight)
 
 
 def close_stream(source: EpisodeStream, wall_s: float) -> tuple[BatchedDataDict, dict[str, float]]:

@@ -75,6 +75,8 @@ class RolloutWorker:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._unique = dict(self.model.named_parameters())
         self._prefix_cache = make_prefix_cache(config)  # next turns reuse their episode's KV
+        # Environment calls in flight per task, over every stream of this worker's shared engine.
+        self._env_calls: dict[str, int] = {}
         self._dirty: str | None = None  # why the weights are a mix of two versions, if they are
         self._failed: tuple[int, str] | None = None  # the last refit that failed: (version, why)
         self._slots = config.generation.max_num_seqs or config.generation_batch_size
@@ -114,9 +116,14 @@ class RolloutWorker:
                 version=self._version, prefix_cache=self._prefix_cache, **kwargs))
         self._check_clean()
         source = open_stream(data, self.tokenizer, envs, max_turns=kwargs.pop("max_turns"),
-                             max_seq_len=kwargs.pop("max_seq_len"), version=self._version, **kwargs)
+                             max_seq_len=kwargs.pop("max_seq_len"), version=self._version,
+                             calls_in_flight=self._env_calls, **kwargs)
         t0 = time.perf_counter()
-        self._engine.stream(source)
+        try:
+            self._engine.stream(source)
+        except BaseException:
+            self._engine.call(source.release_calls)  # on the engine thread, like every other count
+            raise
         return close_stream(source, time.perf_counter() - t0)
 
     def _new_batcher(self) -> ContinuousBatcher:

@@ -179,6 +179,33 @@ def test_weights_changed_between_steps_move_later_turns_to_the_new_version(setup
         model.load_state_dict(saved)
 
 
+def test_streams_on_one_engine_share_a_tasks_call_slots(setup):
+    """Two batches stream on one engine against one environment that takes one call at a time (0.5 s
+    each) under a 0.8 s limit. With a slot per stream the second call waited in the actor's queue
+    while its limit ran, timed out and restarted the actor; sharing the worker's one slot, each call
+    is sent when the other has returned and nothing times out."""
+    tok, model, _ = setup
+    env = ray.remote(SlowTurnsEnv).options(max_restarts=-1, max_task_retries=0).remote(0.5)
+    ray.get(env.__ray_ready__.remote())  # started: its first call must not pay for the process
+    engine, shared = _engine(model, tok), {}
+
+    def run(task_batch):
+        src = open_stream(task_batch, tok, {"x": env}, max_turns=1, max_seq_len=400, greedy=True,
+                          step_timeouts={"x": 0.8}, step_concurrency={"x": 1}, calls_in_flight=shared)
+        engine.stream(src)
+        return close_stream(src, 0.0)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(run, [_batch(tok, "x", [1, 1]), _batch(tok, "x", [1, 1, 1])]))
+        for out, metrics in results:
+            assert out["total_reward"].tolist() == [1.0] * out.size, metrics
+            assert metrics.get("env/x/step_timeouts", 0) == 0
+        assert shared == {"x": 0}
+    finally:
+        ray.kill(env, no_restart=True)
+
+
 def test_a_turn_queued_before_a_refit_and_prefilled_after_it_says_the_new_version(setup):
     """Two decoding rows and more turns than that: the refit lands while some wait in the queue. Those
     are generated wholly by the new weights and must say so (they were tagged with the old version,
