@@ -306,9 +306,10 @@ class Logger:
     def format_line(cls, values: Mapping[str, float], step: int) -> str:
         parts = [f"step {step}"]
         parts += [f"{label} {_format_value(values[k])}" for label, k in cls.LINE_KEYS if k in values]
-        seconds = values.get("timing/total", values.get("timing/validation"))
-        if seconds is not None:
-            parts.append(f"{seconds:.2f} s")
+        if "timing/total" in values:
+            parts.append(f"{values['timing/total']:.2f} s")
+        elif "timing/validation" in values:  # a validation on its own (at the start or the end)
+            parts.append(f"validation {values['timing/validation']:.2f} s")
         return "  ".join(parts)
 
     @staticmethod
