@@ -57,13 +57,11 @@ def _is_bootstrapped_model(name: str, cache_dir: str | None) -> bool:
         return False
 
 
-def import_user_modules(modules: Any, where: str = "imports") -> list[str]:
+def import_user_modules(modules: Any, where: str = "imports") -> None:
     """Import each module named in ``modules`` (``my_pkg.envs``), so the ``register_env`` /
     ``register_policy_loss`` / ... calls in it take effect before the rest of the config is checked.
     The current directory is searched too, as ``python -m`` would. ValueError naming the module."""
-    if modules is None:
-        return []
-    if isinstance(modules, str) or not all(isinstance(m, str) and m.strip() for m in modules):
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) and m.strip() for m in modules):
         raise ValueError(f"{where}: expected a list of module names (my_pkg.envs), got {modules!r}")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
@@ -72,7 +70,6 @@ def import_user_modules(modules: Any, where: str = "imports") -> list[str]:
             importlib.import_module(name.strip())
         except Exception as e:  # ImportError, or anything the module raised while registering
             raise ValueError(f"{where}: cannot import {name!r}: {type(e).__name__}: {e}") from None
-    return [m.strip() for m in modules]
 
 
 class UserImports(_Strict):
@@ -468,16 +465,11 @@ IMPORT_PREFIX = "imports+="
 
 def with_imports(raw: dict, overrides: list[str]) -> tuple[dict, list[str]]:
     """``imports+=my_pkg.envs`` overrides (the CLI's ``--import``) appended to the YAML's ``imports:``
-    and imported now, so the registrations they make are there when the overrides are checked."""
+    list, which the config imports first when it is validated; returns the other overrides."""
     extra = [o.removeprefix(IMPORT_PREFIX) for o in overrides if o.startswith(IMPORT_PREFIX)]
-    rest = [o for o in overrides if not o.startswith(IMPORT_PREFIX)]
-    if extra or raw.get("imports"):
+    if extra:
         raw = dict(raw, imports=list(raw.get("imports") or []) + extra)
-        try:
-            import_user_modules(raw["imports"])
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return raw, rest
+    return raw, [o for o in overrides if not o.startswith(IMPORT_PREFIX)]
 
 
 def parse_cli(argv: list[str], default_config: str | Path) -> tuple[str, list[str]]:

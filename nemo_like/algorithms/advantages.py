@@ -43,7 +43,6 @@ from typing import Any, TypeVar
 import torch
 
 from nemo_like.algorithms.ppo_terms import compute_gae, masked_whiten, remax_advantages
-from nemo_like.utils.options import check_options_model
 from nemo_like.utils.registry import Registry
 
 AdvantageEstimator = Callable[..., torch.Tensor]
@@ -203,8 +202,6 @@ def register_advantage_estimator(name: str, fn: AdvantageEstimator | str | None 
     if unknown := [n for n in needs if n not in ESTIMATOR_INPUTS]:
         raise ValueError(f"advantage estimator {name!r}: unknown inputs {unknown}; an estimator may need "
                          f"{list(ESTIMATOR_INPUTS)}")
-    if options is not None and not isinstance(options, str):
-        check_options_model(f"advantage estimator {name!r}", options)
     registered = ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite, options=options)
     _NEEDS[name] = needs
     return registered

@@ -16,7 +16,6 @@ saved, and a resumed run draws their prompts again and generates them with the r
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
@@ -99,6 +98,16 @@ class AsyncRolloutRunner:
         self._taken_state: dict | None = sampler_state
 
     # ---- the trainer's side -----------------------------------------------------------------------
+    @property
+    def batches_started(self) -> int:
+        """Index of the next batch to start: every batch below it may be generating or grading now."""
+        return self._next_draw
+
+    @property
+    def batches_taken(self) -> int:
+        """Index of the next batch the trainer takes: every batch below it was taken."""
+        return self._next_take
+
     def start(self) -> None:
         if self._threads:
             return
@@ -227,7 +236,7 @@ class AsyncRolloutRunner:
             error: BaseException | None = None
             for _ in range(ROLLOUT_ATTEMPTS):  # a transient failure (a worker error, a timeout) is tried again
                 try:
-                    out, metrics = self._rollout(copy.deepcopy(batch))  # an attempt may have changed it
+                    out, metrics = self._rollout(batch)  # (a rollout appends to copies of the logs: reusable)
                     if "policy_version" not in out:
                         raise KeyError("the rollout returned no policy_version: is the generator a rollout group?")
                     error = None

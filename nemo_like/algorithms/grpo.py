@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
 from nemo_like.algorithms.grpo_report import accuracy_summary, per_task_metrics, per_task_summary
+from nemo_like.algorithms.grpo_setup import dump_config
 from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
 from nemo_like.algorithms.loss_functions import LossFunction
 from nemo_like.algorithms.ppo import PPOStage
@@ -393,7 +394,7 @@ class GRPOTrainer:
         self.policy.save_checkpoint(str(tmp / "policy"))
         if self.critic is not None:
             self.critic.save_checkpoint(str(tmp / "critic"))
-        (tmp / "run_config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
+        (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
         # Async: the sampler as of the last trained batch; batches in flight are drawn again on resume.
         sampler = self.sampler.state_dict()
         if self.async_rollouts is not None:
@@ -432,14 +433,14 @@ class GRPOTrainer:
             # Async batches started before now may still be grading with the old actor: it is killed
             # once the trainer has taken them all (else those steps would train on nothing).
             runner = self.async_rollouts
-            self._retired.append((old, runner._next_draw if runner is not None else 0))
+            self._retired.append((old, runner.batches_started if runner is not None else 0))
             self._kill_retired()
 
     def _kill_retired(self) -> None:
         import ray
 
-        taken = self.async_rollouts._next_take if self.async_rollouts is not None else 1 << 62
-        for old, until in [r for r in self._retired if taken >= r[1]]:
+        taken = self.async_rollouts.batches_taken if self.async_rollouts is not None else 0
+        for old, until in [r for r in self._retired if r[1] <= taken]:
             self._retired.remove((old, until))
             try:
                 ray.kill(old, no_restart=True)

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from nemo_like.utils.options import check_options_model
 from nemo_like.utils.registry import Registry
 
 __all__ = ["LOSSES", "POLICY_LOSSES", "PolicyLossFn", "check_loss_name", "get_loss_fn", "get_policy_loss",
@@ -61,8 +60,6 @@ def register_policy_loss(name: str, fn: PolicyLossFn | str | None = None, *, opt
     ``register_policy_loss(name, fn_or_import_path)``. ``options``: a pydantic model of the keys it
     reads from ``loss_fn`` (checked before Ray starts). The same definition again is a no-op; another
     one needs ``overwrite=True``."""
-    if options is not None and not isinstance(options, str):
-        check_options_model(f"policy loss {name!r}", options)
     return POLICY_LOSSES.register(name, fn, overwrite=overwrite, options=options)
 
 
@@ -94,8 +91,6 @@ def register_loss(name: str, target: Any = None, *, options: Any = None, overwri
     ``options`` model's (checked before Ray starts). Another object under a taken name needs
     ``overwrite=True`` (ValueError otherwise; re-registering the same definition is a no-op).
     """
-    if options is not None and not isinstance(options, str):
-        check_options_model(f"loss {name!r}", options)
     return LOSSES.register(name, target, overwrite=overwrite, options=options)
 
 

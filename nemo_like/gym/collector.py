@@ -81,6 +81,7 @@ class _Episode:
     actions: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     rewards: list = field(default_factory=list)
+    ret: float = 0.0  # the sum of rewards (float64), kept as they come
     current: Any = None
     done: bool = False
     terminated: bool = False
@@ -229,10 +230,11 @@ class TrajectoryCollector:
                 if abs(reward) > _F32_MAX:
                     self._fail(ep, f"step({a}): the reward {reward:g} is outside float32's range")
                     continue
-                if abs(sum(ep.rewards, reward)) > _F32_MAX:
-                    self._fail(ep, f"step({a}): the episode's return {sum(ep.rewards, reward):g} is outside "
+                if abs(ep.ret + reward) > _F32_MAX:
+                    self._fail(ep, f"step({a}): the episode's return {ep.ret + reward:g} is outside "
                                    "float32's range")
                     continue
+                ep.ret += reward
                 ep.obs.append(prev)
                 ep.actions.append(a)
                 ep.logprobs.append(lp)

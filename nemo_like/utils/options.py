@@ -22,13 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from nemo_like.utils.registry import Registry
 
-__all__ = ["apply_registered_options", "check_options_model", "format_option_errors"]
-
-
-def check_options_model(what: str, model: Any) -> None:
-    """TypeError unless ``model`` is a pydantic model class (the ``options=`` of a registration)."""
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise TypeError(f"{what}: options must be a pydantic BaseModel subclass, got {model!r}")
+__all__ = ["apply_registered_options", "format_option_errors"]
 
 
 def format_option_errors(prefix: str, e: ValidationError, known: Iterable[str]) -> str:
@@ -72,25 +66,18 @@ def apply_registered_options(section: BaseModel, prefix: str,
                              f"{prefix} already has; rename them in its options model")
         models.append((f"{registry.kind} {name!r}", model))
     known = own | {f for _, m in models for f in m.model_fields}
-    if not models:
-        if extras:
-            key = sorted(extras)[0]
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {prefix}.{close[0]}?)" if close else ""
-            picked = " and ".join(f"{r.kind} {n!r}" for r, n in selected)
-            raise ValueError(f"{prefix}.{key}: unknown config key{hint} ({picked}: no options of their own)")
-        return
-    validated: dict[str, Any] = {}
-    for what, model in models:
-        mine = {k: v for k, v in extras.items() if k in model.model_fields}
-        try:
-            validated.update(model.model_validate(mine).model_dump())
-        except ValidationError as e:
-            raise ValueError(f"{format_option_errors(prefix, e, known)} (an option of {what})") from None
-    if unknown := sorted(set(extras) - set(validated)):
+    if unknown := sorted(set(extras) - known):
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f" (did you mean {prefix}.{close[0]}?)" if close else ""
-        raise ValueError(f"{prefix}.{unknown[0]}: unknown config key{hint}")
+        why = "" if models else f" ({' and '.join(f'{r.kind} {n!r}' for r, n in selected)}: no options of their own)"
+        raise ValueError(f"{prefix}.{unknown[0]}: unknown config key{hint}{why}")
+    validated: dict[str, Any] = {}
+    for what, model in models:
+        try:
+            validated.update(model.model_validate({k: v for k, v in extras.items() if k in model.model_fields})
+                             .model_dump())
+        except ValidationError as e:
+            raise ValueError(f"{format_option_errors(prefix, e, known)} (an option of {what})") from None
     assert section.__pydantic_extra__ is not None
     section.__pydantic_extra__.clear()
     section.__pydantic_extra__.update(validated)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from nemo_like.utils.options import check_options_model
 from nemo_like.utils.registry import Registry, worker_class_check
 
 __all__ = ["CAPABILITIES", "GENERATION_BACKENDS", "GenerationWorker", "WORKER_METHODS", "backend_capabilities",
@@ -97,8 +96,6 @@ def register_generation_backend(name: str, cls_or_import_path: type | str | None
                                 overwrite: bool = False) -> Any:
     """``register_generation_backend("vllm", "pkg.module.VllmWorker")``, or as a class decorator.
     ``options``: a pydantic model of the backend's own ``policy.generation.<key>`` options."""
-    if options is not None and not isinstance(options, str):
-        check_options_model(f"generation backend {name!r}", options)
     return GENERATION_BACKENDS.register(name, cls_or_import_path, overwrite=overwrite, options=options)
 
 
