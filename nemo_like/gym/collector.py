@@ -61,6 +61,9 @@ class Trajectory:
     truncated: bool = False
     policy_version: int = -1
     failed: str | None = None
+    # The observation after the last step, kept only when the episode was truncated (time limit or
+    # the step cap) and not terminated: the trainer bootstraps its GAE with V(final_obs).
+    final_obs: Any = None
 
     @property
     def length(self) -> int:
@@ -248,7 +251,9 @@ class TrajectoryCollector:
                            logprobs=np.asarray(ep.logprobs, dtype=np.float32),
                            rewards=np.asarray(ep.rewards, dtype=np.float32),
                            terminated=ep.terminated, truncated=ep.truncated, policy_version=self._version,
-                           failed=ep.failed) for ep in episodes]
+                           failed=ep.failed,
+                           final_obs=ep.current if ep.truncated and not ep.terminated and not ep.failed else None)
+                for ep in episodes]
 
 
 class CollectorGroup:

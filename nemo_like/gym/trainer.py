@@ -264,18 +264,16 @@ class GymGRPOTrainer:
 
         The value past an episode's last step is 0 when it terminated. When it was truncated (time
         limit, the collector's step cap) the episode would have gone on, so, as SB3 does, it is
-        bootstrapped with V(final observation) -- if the trajectory carries that observation
-        (``final_obs``). The collector's Trajectory does not store it today (``obs`` holds the T
-        observations that chose the actions, not the one after the last step), so truncated
-        episodes get 0 as well: on CartPole that treats the 500-step limit as an end, underestimating
-        the values of its last ~1/(1-gamma) steps."""
+        bootstrapped with V(final observation), which the collector keeps as ``final_obs`` for
+        truncated episodes only. Without it (a trajectory built elsewhere) the value past the end is 0,
+        which treats the time limit as an end."""
         g = self.config.grpo
         mask = batch.mask()
         with torch.no_grad():
             values = batch.pad(self.net(batch.obs)[1].float())
             bootstrap = torch.zeros(len(trajs))
             finals = [(i, t.final_obs) for i, t in enumerate(trajs)
-                      if t.truncated and not t.terminated and getattr(t, "final_obs", None) is not None]
+                      if t.truncated and not t.terminated and t.final_obs is not None]
             if finals:
                 rows = torch.tensor([i for i, _ in finals])
                 bootstrap[rows] = self.net(obs_to_tensor([o for _, o in finals]))[1].float()

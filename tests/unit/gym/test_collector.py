@@ -180,3 +180,14 @@ def test_a_simulator_that_hangs_is_cut_off_and_the_run_told_why(ray_session):
     finally:
         group.close()
         hanging.close()
+
+
+def test_truncated_episodes_keep_the_observation_after_their_last_step():
+    # seed 4 runs 5 steps, seed 1 two: with a cap of 3 the first is truncated, the second terminates.
+    c = TrajectoryCollector(CountdownEnv, {}, 3, POLICY.model_dump(), seed=0)
+    c.set_weights(build_network(c.spec(), POLICY, seed=1).state_dict(), version=0)
+    cut, done = c.collect(_jobs([4, 1], count=1), expected_version=0)
+    assert cut.truncated and not cut.terminated and cut.length == 3
+    np.testing.assert_array_equal(cut.obs[:, 1], [0, 1, 2])
+    np.testing.assert_array_equal(cut.final_obs, [4, 3])  # what step 3 returned, for V(s_T)
+    assert done.terminated and done.length == 2 and done.final_obs is None

@@ -92,9 +92,9 @@ def test_terminated_vs_truncated():
     cut.final_obs = np.zeros(4, np.float32)
     adv, _, _ = gae([cut, trajectory(3)])
     torch.testing.assert_close(adv, torch.tensor([TRUNCATED_BOOTSTRAPPED, TERMINATED]))
-    # The collector's trajectories do not carry the final observation: truncated ones then get 0 past
-    # the end, like terminated ones.
-    assert not hasattr(trajectory(3, terminated=False), "final_obs")
+    # A truncated trajectory without it (built outside the collector) gets 0 past the end, like a
+    # terminated one.
+    assert trajectory(3, terminated=False).final_obs is None
     adv, _, _ = gae([trajectory(3, terminated=False), trajectory(3)])
     torch.testing.assert_close(adv, torch.tensor([TERMINATED, TERMINATED]))
     # A terminated episode is never bootstrapped, whatever it carries.
