@@ -240,6 +240,8 @@ class MasterConfig(UserImports):
         if self.critic is not None and "values" not in needs:
             raise ValueError(f"critic is set, but grpo.advantage_estimator={name!r} uses no values: set "
                              "grpo.advantage_estimator=gae, or remove the critic section")
+        if self.critic is not None:
+            self.critic.passes_config(self.policy)  # its packing / token budgets, under the policy's rules
         if "greedy_rewards" in needs and (self.grpo.dynamic_sampling.enabled or self.grpo.async_rollouts.enabled):
             raise ValueError(f"grpo.advantage_estimator={name!r} grades one greedy sample per prompt of the step: "
                              "it does not combine with grpo.dynamic_sampling or grpo.async_rollouts")

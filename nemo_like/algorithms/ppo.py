@@ -116,7 +116,8 @@ class PPOStage:
     # ---- the critic -----------------------------------------------------------------------------------
     @staticmethod
     def _rows(train_data: BatchedDataDict) -> BatchedDataDict:
-        return BatchedDataDict({k: train_data[k] for k in ("input_ids", "input_lengths")})
+        # token_mask: critic packing lays a prompt's samples after one copy of it (as the policy's does).
+        return BatchedDataDict({k: train_data[k] for k in ("input_ids", "input_lengths", "token_mask")})
 
     def update_critic(self, train_data: BatchedDataDict, extras: dict[str, Any], timer: Any) -> dict[str, float]:
         """One critic update on the step's returns; ``critic/`` metrics (explained variance of the

@@ -6,7 +6,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from nemo_like.models.policy.interfaces import OptimizerConfig, SchedulerConfig
+from nemo_like.models.policy.interfaces import (
+    DynamicBatchingConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    SchedulerConfig,
+    SequencePackingConfig,
+)
 
 
 class CriticConfig(BaseModel):
@@ -48,6 +54,25 @@ class CriticConfig(BaseModel):
     activation_checkpointing: bool = False
     # Threads per worker; None = the worker's CPU share from the cluster.
     num_threads: int | None = None
+    # The value and training passes on packed rows (policy.sequence_packing's keys); None: as the policy's.
+    sequence_packing: SequencePackingConfig | None = None
+    # Those passes cut by a token budget (policy.dynamic_batching's keys); None: as the policy's.
+    dynamic_batching: DynamicBatchingConfig | None = None
+
+    def passes_config(self, policy: PolicyConfig) -> PolicyConfig:
+        """The policy's config with this critic's packing and token-budget settings: what cuts the
+        critic's passes into micro-batches (validated: the same rules as the policy's)."""
+        sp = self.sequence_packing or policy.sequence_packing
+        db = self.dynamic_batching or policy.dynamic_batching
+        if sp is policy.sequence_packing and db is policy.dynamic_batching:
+            return policy
+        try:
+            return PolicyConfig.model_validate(policy.model_dump() | {"sequence_packing": sp.model_dump(),
+                                                                      "dynamic_batching": db.model_dump()})
+        except ValueError as e:
+            errs = getattr(e, "errors", lambda: [])()
+            msg = "; ".join(str(x.get("msg", x)) for x in errs) or str(e)
+            raise ValueError(f"critic.sequence_packing / critic.dynamic_batching: {msg.replace('policy.', 'critic.')}")
 
     @field_validator("model_name")
     @classmethod

@@ -42,7 +42,8 @@ class Critic:
         keys = {"input_ids", "input_lengths"}
         if missing := keys - set(data):
             raise KeyError(f"Critic.compute_values needs keys {sorted(keys)}; missing {sorted(missing)}")
-        sub = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")})
+        # token_mask, when given, lets packing lay a prompt's samples after one copy of it.
+        sub = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "token_mask") if k in data})
         n = sub.size
         # Every worker gets the same number of rows (FSDP's collectives run in lock step): pad with
         # copies of row 0 and drop their results.

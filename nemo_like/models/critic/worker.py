@@ -22,6 +22,15 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.critic.config import CriticConfig
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.packing import (
+    MASK_ATTENTION,
+    MicroBatch,
+    PackedBatch,
+    attention_cost_ratio,
+    build_packed,
+    plan_microbatches,
+    plan_rows,
+)
 from nemo_like.models.policy.weight_export import named_checksum, read_safetensors_folder
 
 _TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "values", "returns")
@@ -95,6 +104,43 @@ def shifted_values(head_out: torch.Tensor, lengths: torch.Tensor) -> torch.Tenso
     return torch.where(keep, v, torch.zeros_like(v))
 
 
+def packed_values(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """[b, T] values of the packed samples (``packed.sample_idx`` order), by the same convention as
+    :func:`shifted_values`: the head's output at the position that predicts token t."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    mask = packed.attention_mask(impl, next(model.parameters()).dtype)
+    out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                use_cache=False).logits[..., 0].float()
+    picked = out[packed.src_row, packed.src_col]
+    return torch.where(packed.valid, picked, torch.zeros_like(picked))
+
+
+def check_value_packing(model: nn.Module) -> None:
+    """Refuse packing on a value model whose attention ignores the packed mask: two short
+    sequences with a shared prompt, packed, must get the values they get one by one."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl not in MASK_ATTENTION:
+        raise ValueError(f"critic sequence packing: the value model's attention implementation {impl!r} cannot "
+                         f"confine packed sequences (supported: {', '.join(MASK_ATTENTION)}); turn packing off")
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids[1, :2] = ids[0, :2]
+    lengths = torch.tensor([6, 4])
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        packed = build_packed(ids, lengths, plan_rows(ids, lengths, 16, torch.tensor([2, 2]))).to(device)
+        got = packed_values(model, packed).cpu()
+        ref = torch.zeros_like(got)
+        for k, i in enumerate(packed.sample_idx):
+            n = int(lengths[i])
+            out = model(input_ids=ids[i:i + 1, :n].to(device), use_cache=False).logits[..., 0].float()
+            ref[k, :n] = shifted_values(out, lengths[i:i + 1].to(device))[0].cpu()
+    err = float((got - ref).abs().max())
+    if not err < 1e-4:
+        raise ValueError(f"critic sequence packing: this value model's attention does not confine packed "
+                         f"sequences (packed values differ from unpacked by {err:.3g}); turn packing off")
+
+
 def clipped_value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                              mask: torch.Tensor, cliprange: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: 0.5 * max((v - R)^2, (v_clip - R)^2) and whether the clipped term is the larger
@@ -135,6 +181,11 @@ class CriticWorker:
             for name in new_params:
                 if name in params:
                     dist.broadcast(params[name].data, src=0)
+        # What cuts the passes into micro-batches: the policy's packing / token budget unless overridden.
+        self.passes_cfg = config.passes_config(policy_config)
+        if self.passes_cfg.sequence_packing.enabled:
+            check_value_packing(model)
+        self._attention_ratio = attention_cost_ratio(model.config)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
         self.sharded = config.fsdp and (self.world_size > 1 or config.precision != "float32")
@@ -175,15 +226,29 @@ class CriticWorker:
                 m.reshard()
 
     # ---- values -------------------------------------------------------------------------------
-    def _values(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """[b, w] float32 values of one micro-batch (on the device), with gradients if enabled."""
-        ids = ids.to(self.device)
-        lengths = lengths.to(self.device)
-        ar = torch.arange(ids.shape[1], device=self.device)
-        attn = (ar[None, :] < lengths[:, None]).long()
+    def _mb_values(self, mb: MicroBatch) -> torch.Tensor:
+        """[b, w] float32 values of one micro-batch (``mb.idx`` order, on the device), with gradients
+        if enabled: packed rows, or right-padded samples."""
         with self._autocast():
+            if mb.packed is not None:
+                return packed_values(self.model, mb.packed.to(self.device))
+            lengths = mb.data["input_lengths"]
+            width = max(1, int(lengths.max()))
+            ids = mb.data["input_ids"][:, :width].to(self.device)
+            lengths = lengths.to(self.device)
+            attn = (torch.arange(width, device=self.device)[None, :] < lengths[:, None]).long()
             out = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
         return shifted_values(out[..., 0].float(), lengths)
+
+    def _plan(self, data: BatchedDataDict, mb_size: int) -> list[MicroBatch]:
+        return plan_microbatches(data, self.passes_cfg, mb_size, self._attention_ratio)
+
+    def _synced_count(self, n: int) -> int:
+        """Passes every rank runs: FSDP's collectives are in lock step, and token budgets can give
+        ranks different counts; a rank with fewer repeats its last pass and drops the result."""
+        if self.world_size == 1:
+            return n
+        return int(self._reduce(torch.tensor([n]), op=dist.ReduceOp.MAX)[0])
 
     def _reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         """``t`` (CPU) reduced over the ranks (default: sum)."""
@@ -196,22 +261,15 @@ class CriticWorker:
     @torch.no_grad()
     def compute_values(self, data: BatchedDataDict) -> BatchedDataDict:
         """``values`` [B, T] float32 of the shard: see the module's position convention."""
-        ids, lengths = data["input_ids"], data["input_lengths"]
-        values = torch.zeros(ids.shape, dtype=torch.float32)
-        mb = self.cfg.forward_micro_batch_size
-        # Every rank runs the same number of passes (FSDP's collectives are in lock step); the
-        # facade pads the shards to equal sizes, so the counts agree, and a spare pass is dropped.
-        n_mb = math.ceil(data.size / mb) if data.size else 0
-        n_pass = int(self._reduce(torch.tensor([n_mb]), op=dist.ReduceOp.MAX)[0]) if self.world_size > 1 else n_mb
-        for i in range(n_pass):
-            s = min(i, max(n_mb - 1, 0)) * mb
-            if not data.size:
+        values = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
+        plan = self._plan(data, self.cfg.forward_micro_batch_size) if data.size else []
+        for i in range(self._synced_count(len(plan))):
+            if not plan:  # an empty shard cannot take part (the facade pads shards to equal sizes)
                 break
-            chunk = slice(s, min(s + mb, data.size))
-            width = max(1, int(lengths[chunk].max()))
-            v = self._values(ids[chunk, :width], lengths[chunk])
-            if i < n_mb:
-                values[chunk, :width] = v.cpu()
+            mb = plan[min(i, len(plan) - 1)]
+            v = self._mb_values(mb)
+            if i < len(plan):
+                values[mb.idx, :v.shape[1]] = v.cpu()
         self._reshard()
         return BatchedDataDict(values=values)
 
@@ -259,16 +317,22 @@ class CriticWorker:
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, dtype=torch.float64)  # value loss, clipped tokens, values
         flags = torch.zeros(len(_FLAG_NAMES), dtype=torch.float64)
+        tokens = torch.zeros(2, dtype=torch.float64)  # real and computed positions of the passes
         coef = self.cfg.value_loss_coef
-        for _, mb in gb.make_length_sorted_microbatch_iterator(mbs):
-            mask = (mb["token_mask"] > 0).float().to(self.device)
-            values = self._values(mb["input_ids"], mb["input_lengths"])
+        plan = self._plan(gb, mbs)
+        for n_pass in range(self._synced_count(len(plan))):
+            item = plan[min(n_pass, len(plan) - 1)]
+            mb = item.data
+            values = self._mb_values(item)
             w = values.shape[1]
+            mask = (mb["token_mask"][:, :w] > 0).float().to(self.device)
             old = mb["values"][:, :w].float().to(self.device)
             ret = mb["returns"][:, :w].float().to(self.device)
-            mask = mask[:, :w]
             tok_loss, tok_clipped = clipped_value_loss_terms(values, old, ret, mask, self.cfg.cliprange_value)
             loss = tok_loss.sum() / denom
+            if n_pass >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
+                (loss * 0.0).backward()
+                continue
             if not bool(torch.isfinite(torch.where(mask > 0, values, torch.zeros_like(values))).all()):
                 flags[0] += 1
             if not bool(torch.isfinite(loss)):
@@ -278,6 +342,7 @@ class CriticWorker:
             (loss * coef * self.world_size).backward()
             sums += torch.tensor([float(loss.detach()), float(tok_clipped.sum()) / denom,
                                   float((values.detach() * mask).sum()) / denom], dtype=torch.float64)
+            tokens += torch.tensor([item.tokens_real, item.tokens_computed], dtype=torch.float64)
         if self.world_size > 1 and not self.sharded:
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -298,12 +363,14 @@ class CriticWorker:
         self.optimizer.step()
         self.scheduler.step()
         sums = self._reduce(sums)
+        tokens = self._reduce(tokens)
         nan = math.nan
         # No loss-carrying token in the global batch: the loss (a sum) is 0, the means undefined (NaN).
         return {"value_loss": float(sums[0]),
                 "vf_clipfrac": float(sums[1]) if global_toks else nan,
                 "values_mean": float(sums[2]) if global_toks else nan,
-                "grad_norm": grad_norm, "lr": float(lr)}
+                "grad_norm": grad_norm, "lr": float(lr),
+                "padding_efficiency": float(tokens[0] / tokens[1].clamp(min=1))}
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -198,3 +198,44 @@ def test_value_model_loads_without_dropout(model_type, tmp_path):
     assert model.config.attention_dropout == 0
     out = model(input_ids=torch.tensor([[1, 2, 3, 4]]), attention_mask=torch.ones(1, 4, dtype=torch.long)).logits
     assert out.shape == (1, 4, 1)
+
+
+def test_packed_passes_give_the_unpacked_values_and_update(critic, batch, model_dir, tmp_path):
+    """Packing (each prompt once for its samples, rows under a token budget) changes how the passes
+    are cut, not what they compute: values and the update equal the right-padded ones."""
+    critic.save_checkpoint(str(tmp_path / "start"))
+    # Rows 0 and 4 share their first two tokens (the "prompt" before the loss tokens) with row 0.
+    data = BatchedDataDict.from_batches([batch, batch.select_indices([0, 2, 1, 3])])
+    data["input_ids"][4, 2:] = data["input_ids"][3, 2:]
+    data["input_lengths"][4] = data["input_lengths"][3]
+    ar = torch.arange(data["input_ids"].shape[1])
+    data["token_mask"] = ((ar[None] >= 2) & (ar[None] < data["input_lengths"][:, None])).float()
+    v0 = critic.compute_values(data)["values"]
+    train_data = _train_data(data, v0, v0 * 0.5 + 0.25)
+    one = critic.train(train_data)
+    after = critic.compute_values(data)["values"]
+
+    c2 = RayVirtualCluster(1, cpus_per_worker=1)
+    try:
+        packing = {"enabled": True, "max_tokens_per_microbatch": 256, "row_length": 128}
+        packed = Critic(c2, _critic_cfg(sequence_packing=packing), _policy_cfg(model_dir), seed=1, name_prefix="cpk")
+        try:
+            packed.load_checkpoint(str(tmp_path / "start"))
+            assert (packed.compute_values(data)["values"] - v0).abs().max() < 1e-5
+            m = packed.train(train_data)
+            packed_after = packed.compute_values(data)["values"]
+        finally:
+            packed.shutdown()
+    finally:
+        c2.shutdown()
+    assert (packed_after - after).abs().max() < 1e-5
+    for k in ("value_loss", "vf_clipfrac", "values_mean", "grad_norm"):
+        assert m[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
+    assert m["padding_efficiency"] > one["padding_efficiency"]  # the shared prompt is computed once
+
+
+def test_critic_packing_follows_the_policy_rules():
+    policy = PolicyConfig(model_name="m", max_total_sequence_length=64)
+    assert _critic_cfg().passes_config(policy) is policy  # nothing of its own: the policy's settings
+    with pytest.raises(ValueError, match="critic.sequence_packing"):
+        _critic_cfg(sequence_packing={"enabled": True, "max_tokens_per_microbatch": 32}).passes_config(policy)
