@@ -284,7 +284,11 @@ class GRPOTrainer:
 
         if cfg.grpo.val_period and self.step_count % cfg.grpo.val_period == 0:
             metrics |= self.validate()
-        self.logger.log_metrics(metrics, step=self.step_count)
+        # Which prompts this step drew (every round), as task:index: metrics.jsonl then says what each
+        # step trained, and a resumed run can be checked for prompts skipped or trained twice.
+        prompt_ids = [f"{t}:{int(i)}" for b, _ in rounds for t, i in zip(b["task_name"][::G], b["idx"][::G],
+                                                                           strict=True)]
+        self.logger.log_metrics(metrics, step=self.step_count, record={"prompt_ids": prompt_ids})
         self.history.append({"step": self.step_count} | metrics)
         # A collapsed run stops (grpo_train ends, the CLI exits 3), with a checkpoint to look at.
         self.stop_reason = self.collapse_watch.observe(metrics, self.step_count) or self.stop_reason

@@ -169,7 +169,7 @@ class Logger:
     def keep_steps_up_to(self, step: int) -> list[dict[str, Any]]:
         """For a run resumed from a checkpoint at ``step``: drops the rows of metrics.jsonl logged
         after it (by the run that crashed later; this run logs those steps again) and returns the
-        rows kept. The file is rewritten atomically (temp file + os.replace, then reopened for
+        rows kept (their metrics; record fields are left out). The file is rewritten atomically (temp file + os.replace, then reopened for
         appending) and TensorBoard hides the crashed run's events after ``step``."""
         if self._closed:
             raise RuntimeError("Logger.keep_steps_up_to called after close()")
@@ -189,7 +189,8 @@ class Logger:
                         bad.append(lineno)
                     elif record.get("step", 0) <= step:
                         kept_lines.append(line if line.endswith("\n") else line + "\n")
-                        rows.append(record)
+                        # The history gets the metrics; record fields (lists, strings) stay in the file.
+                        rows.append({k: v for k, v in record.items() if not isinstance(v, list | dict | str)})
         if bad:
             warnings.warn(f"{path}: dropping malformed lines {bad[:10]}", stacklevel=2)
         if self._jsonl is not None and len(kept_lines) != total:
@@ -264,8 +265,11 @@ class Logger:
             out[name] = number
         return out
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str | None = None) -> dict[str, float]:
-        """Logs scalar metrics at ``step``; returns the (prefixed, float) metrics that were logged."""
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str | None = None,
+                    record: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Logs scalar metrics at ``step``; returns the (prefixed, float) metrics that were logged.
+        ``record``: fields of any JSON type written to metrics.jsonl's row only (not metrics: no
+        TensorBoard, wandb or stdout), e.g. the prompts a step trained."""
         if self._closed:
             raise RuntimeError("Logger.log_metrics called after close()")
         if not isinstance(metrics, Mapping):
@@ -276,10 +280,14 @@ class Logger:
         values = self._prefixed(metrics, prefix)
 
         if self._jsonl is not None:
-            record: dict[str, Any] = {"step": step}
+            row: dict[str, Any] = {"step": step}
             # JSON has no NaN/Infinity; null keeps every line parseable by any JSON reader.
-            record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
-            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            row.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
+            for k, v in (record or {}).items():
+                if k in row:
+                    raise ValueError(f"record field {k!r} is also a metric name")
+                row[k] = v
+            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
             self._jsonl.flush()
         if self.cfg.tensorboard_enabled:
             writer = self._tensorboard()

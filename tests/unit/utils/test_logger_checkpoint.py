@@ -404,3 +404,20 @@ def test_a_run_from_step_0_sets_an_earlier_runs_rows_aside(tmp_path):
     assert again.set_aside_previous_rows() == path.with_name("metrics.prev2.jsonl")  # never overwrites
     assert again.set_aside_previous_rows() is None  # nothing left to set aside
     again.close()
+
+
+def test_record_fields_go_to_the_jsonl_row_only_and_leave_the_history(tmp_path):
+    lines: list[str] = []
+    with Logger(_cfg(tmp_path), print_fn=lines.append) as logger:
+        logger.log_metrics({"loss": 1.0}, step=1, prefix="train", record={"prompt_ids": ["math:3", "math:7"]})
+        logger.log_metrics({"loss": 0.5}, step=2, prefix="train", record={"prompt_ids": ["math:1"]})
+        with pytest.raises(ValueError, match="'train/loss' is also a metric name"):
+            logger.log_metrics({"loss": 0.5}, step=3, prefix="train", record={"train/loss": 1})
+        assert read_metrics_jsonl(logger.metrics_path) == [
+            {"step": 1, "train/loss": 1.0, "prompt_ids": ["math:3", "math:7"]},
+            {"step": 2, "train/loss": 0.5, "prompt_ids": ["math:1"]}]
+        assert not any("math:" in line for line in lines)  # not printed
+        # A resume at step 1 keeps its row in the file, and gives the trainer's history its metrics.
+        assert logger.keep_steps_up_to(1) == [{"step": 1, "train/loss": 1.0}]
+    assert read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl") == [
+        {"step": 1, "train/loss": 1.0, "prompt_ids": ["math:3", "math:7"]}]
