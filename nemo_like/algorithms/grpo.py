@@ -8,6 +8,7 @@ group-relative advantages -> previous/reference log-probs -> clipped policy-grad
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import threading
 import time
@@ -286,8 +287,9 @@ class GRPOTrainer:
             metrics |= self.validate()
         # Which prompts this step drew (every round), as task:index: metrics.jsonl then says what each
         # step trained, and a resumed run can be checked for prompts skipped or trained twice.
-        prompt_ids = [f"{t}:{int(i)}" for b, _ in rounds for t, i in zip(b["task_name"][::G], b["idx"][::G],
-                                                                           strict=True)]
+        # (A group's samples are adjacent: one id per run of equal ids, whatever a round dropped.)
+        prompt_ids = [f"{t}:{int(i)}" for b, _ in rounds
+                      for (t, i), _ in itertools.groupby(zip(b["task_name"], b["idx"], strict=True))]
         self.logger.log_metrics(metrics, step=self.step_count, record={"prompt_ids": prompt_ids})
         self.history.append({"step": self.step_count} | metrics)
         # A collapsed run stops (grpo_train ends, the CLI exits 3), with a checkpoint to look at.

@@ -45,7 +45,11 @@ def test_crashed_run_resumes_from_newest_intact_checkpoint_with_each_step_logged
         first.close()  # releases the lock, as the kernel does for a killed run
     with open(tmp_path / "ckpt" / "step_3" / "train_state.pt", "r+b") as f:
         f.truncate(10)
-    assert [r["step"] for r in read_metrics_jsonl(tmp_path / "logs")] == [1, 2, 3]
+    crashed = read_metrics_jsonl(tmp_path / "logs")
+    assert [r["step"] for r in crashed] == [1, 2, 3]
+    # Each row names the 4 prompts its step drew, none drawn twice.
+    assert all(len(r["prompt_ids"]) == 4 for r in crashed)
+    assert len({p for r in crashed for p in r["prompt_ids"]}) == 12
 
     with pytest.warns(UserWarning) as caught:
         second = setup(cfg)
@@ -63,4 +67,8 @@ def test_crashed_run_resumes_from_newest_intact_checkpoint_with_each_step_logged
         second.close()
     rows = read_metrics_jsonl(tmp_path / "logs")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once
+    # The resumed run drew the crashed run's step-3 prompts again (its weights never kept them), and
+    # steps 1-2 kept theirs.
+    assert [r["prompt_ids"] for r in rows[:3]] == [r["prompt_ids"] for r in crashed]
+    assert not set(rows[3]["prompt_ids"]) & {p for r in crashed for p in r["prompt_ids"]}
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_2", "step_4"]

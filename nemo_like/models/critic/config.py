@@ -72,7 +72,7 @@ class CriticConfig(BaseModel):
         except ValueError as e:
             errs = getattr(e, "errors", lambda: [])()
             msg = "; ".join(str(x.get("msg", x)) for x in errs) or str(e)
-            raise ValueError(f"critic.sequence_packing / critic.dynamic_batching: {msg.replace('policy.', 'critic.')}")
+            raise ValueError(f"critic.sequence_packing / critic.dynamic_batching: {msg.replace('policy.', 'critic.')}") from None
 
     @field_validator("model_name")
     @classmethod
