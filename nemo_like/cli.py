@@ -1,9 +1,12 @@
 """Shared CLI plumbing: bad input exits with code 2 and one line that names the problem; a run that
 cannot learn (an environment that does not start, grading that keeps failing) exits with code 1, and
-one that collapsed (grpo.stop_on_collapse) with code 3."""
+one that collapsed (grpo.stop_on_collapse) with code 3, and one whose worker process died (a
+policy or rollout worker: killed, out of memory) with code 4 and one line; running the same command
+again resumes it from its newest checkpoint."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +38,34 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], in
     except (EnvironmentStartError, EnvironmentFailureError) as e:  # the run cannot learn: say why, once
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if (dead := dead_worker(e)) is None:
+            raise
+        ckpt = getattr(config, "checkpointing", None)
+        where = (f"the newest checkpoint in {ckpt.checkpoint_dir}" if ckpt is not None and ckpt.enabled
+                 else "the start: checkpointing is off")
+        print(f"error: stopped: {dead}; run the same command again to resume from {where}", file=sys.stderr)
+        return 4
     return int(code or 0)
+
+
+def dead_worker(e: BaseException) -> str | None:
+    """"a <class> worker (<name>) died" when ``e`` (or an error it came from) is a Ray actor that
+    died; None for any other error. A policy or rollout worker is not restarted in place: the one
+    that comes back would hold other weights and optimizer state than its peers, so the run stops."""
+    import ray
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, ray.exceptions.RayActorError) or re.search(r"ActorDiedError|The actor (is dead|died)", text):
+            cls = re.search(r"class_name: (\w+)", text)
+            name = re.search(r"\bname: ([\w.-]+)", text)
+            who = (f"a {cls.group(1)}" + ("" if cls.group(1).endswith("Worker") else " actor")) if cls else "a worker process"
+            return who + (f" ({name.group(1)})" if name else "") + " died"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def run_grpo(config: MasterConfig) -> int:
