@@ -1,9 +1,10 @@
 """Chaos, measured: a GRPO run whose processes are killed (SIGKILL) at seeded random moments, against an
 undisturbed run of the same config and seed.
 
-    uv run benchmarks/chaos.py [--config examples/configs/grpo_multi_env_async.yaml] [--steps 100]
-        [--kills 30] [--kinds env,grader,rollout,policy,driver] [--seed 0] [--gap 2,6]
+    uv run benchmarks/chaos.py [--config examples/configs/grpo_multi_env_async.yaml] [--steps 120]
+        [--kills 30] [--kinds env,grader,rollout,policy,driver] [--seed 0] [--gap 1,4]
         [--work DIR] [--skip-reference] [key=value overrides for both runs ...]
+    uv run benchmarks/chaos.py --gym --config examples/configs/grpo_cartpole.yaml --steps 400 --kinds collector,driver
 
 Kinds of process (found among the driver's descendants by their command line):
 
@@ -11,7 +12,9 @@ Kinds of process (found among the driver's descendants by their command line):
     grader     a math grader pool process (the math environment's verifier subprocess)
     rollout    a rollout worker (ray::RolloutWorker; separate generation, async GRPO)
     policy     a policy training worker (ray::HFPolicyWorker)
-    driver     the driver itself (examples/run_grpo_math.py): kill -9, then started again (resume)
+    collector  a step collector of an agent run (ray::TrajectoryCollector; with --gym)
+    driver     the driver itself (examples/run_grpo_math.py, or run_grpo_gym.py with --gym): kill -9,
+               then started again (resume)
 
 Both runs save a checkpoint every step (``checkpointing.save_period=1``). The chaos run is started,
 and whenever its driver exits before its last step (killed, or stopped because a worker it cannot
@@ -24,7 +27,7 @@ process at that moment is skipped for the next).
 
 The table then compares the chaos run's metrics.jsonl with the undisturbed run's: rows duplicated or
 missing, the prompts each step trained (``prompt_ids``: a skipped or twice-trained prompt shows up as
-a difference), and the final held-out accuracy.
+a difference; agent runs have none), and the final held-out accuracy (agent runs: greedy return).
 """
 
 from __future__ import annotations
@@ -44,15 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "run_grpo_math.py"
+SCRIPTS = {False: ROOT / "examples" / "run_grpo_math.py", True: ROOT / "examples" / "run_grpo_gym.py"}
 
 KIND_PATTERNS = {
     "env": re.compile(r"^ray::\w*Environment\b"),
     "grader": re.compile(r"grader_pool import _worker_main"),
     "rollout": re.compile(r"^ray::RolloutWorker\b"),
     "policy": re.compile(r"^ray::HFPolicyWorker\b"),
+    "collector": re.compile(r"^ray::TrajectoryCollector\b"),
 }
-ALL_KINDS = ("env", "grader", "rollout", "policy", "driver")
+ALL_KINDS = ("env", "grader", "rollout", "policy", "collector", "driver")
+LM_KINDS = ("env", "grader", "rollout", "policy", "driver")
 
 
 # ---- processes --------------------------------------------------------------------------------
@@ -110,8 +115,10 @@ def last_step(log_dir: Path) -> int:
 
 
 def final_accuracy(rows: list[dict]) -> float | None:
-    vals = [(r["step"], r["val/accuracy"]) for r in rows if r.get("val/accuracy") is not None]
-    return max(vals)[1] if vals else None
+    """The last held-out accuracy (agent runs: greedy return) logged."""
+    key = "val/accuracy" if any("val/accuracy" in r for r in rows) else "val/return_mean"
+    vals = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return round(max(vals)[1], 3) if vals else None
 
 
 # ---- one driver -------------------------------------------------------------------------------
@@ -170,8 +177,10 @@ class Driver:
         return lines[-1].strip()[:160] if lines else ""
 
 
-def run_command(config: str, steps: int, log_dir: Path, ckpt_dir: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--config", config, f"grpo.max_num_steps={steps}",
+def run_command(config: str, steps: int, log_dir: Path, ckpt_dir: Path, overrides: list[str],
+                gym: bool = False) -> list[str]:
+    more = ["grpo.target_val_return=null"] if gym else []  # every run goes all the steps
+    return [sys.executable, str(SCRIPTS[gym]), "--config", config, f"grpo.max_num_steps={steps}", *more,
             f"grpo.val_period={steps}", f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
             f"checkpointing.checkpoint_dir={ckpt_dir}", "checkpointing.save_period=1",
             "checkpointing.metric_name=null", *overrides]
@@ -179,7 +188,7 @@ def run_command(config: str, steps: int, log_dir: Path, ckpt_dir: Path, override
 
 def reference_run(args, work: Path) -> tuple[list[dict], float]:
     log_dir = work / "reference" / "logs"
-    cmd = run_command(args.config, args.steps, log_dir, work / "reference" / "ckpt", args.overrides)
+    cmd = run_command(args.config, args.steps, log_dir, work / "reference" / "ckpt", args.overrides, args.gym)
     t0 = time.time()
     d = Driver(cmd, work / "reference.log")
     d.start()
@@ -201,7 +210,7 @@ class Kill:
 
 def chaos_run(args, work: Path) -> tuple[list[Kill], list[dict], int, float, list[str]]:
     log_dir = work / "chaos" / "logs"
-    cmd = run_command(args.config, args.steps, log_dir, work / "chaos" / "ckpt", args.overrides)
+    cmd = run_command(args.config, args.steps, log_dir, work / "chaos" / "ckpt", args.overrides, args.gym)
     rng = random.Random(args.seed)
     kinds = list(args.kinds)
     rng.shuffle(kinds)
@@ -282,16 +291,17 @@ def chaos_run(args, work: Path) -> tuple[list[Kill], list[dict], int, float, lis
 
 def compare(ref: list[dict], got: list[dict], steps: int) -> dict[str, int]:
     def steps_of(rows):
-        return [r["step"] for r in rows if "timing/total" in r]
+        return [r["step"] for r in rows if "timing/total" in r or "train/return_mean" in r]
 
     s = steps_of(got)
     ref_prompts = {r["step"]: r.get("prompt_ids") for r in ref if "timing/total" in r}
     got_prompts = {r["step"]: r.get("prompt_ids") for r in got if "timing/total" in r}
     ref_all = collections.Counter(p for ids in ref_prompts.values() for p in ids or [])
     got_all = collections.Counter(p for ids in got_prompts.values() for p in ids or [])
-    return {
-        "rows duplicated": len(s) - len(set(s)),
-        "rows missing": len(set(range(1, steps + 1)) - set(s)),
+    out = {"rows duplicated": len(s) - len(set(s)), "rows missing": len(set(range(1, steps + 1)) - set(s))}
+    if not any(ref_prompts.values()):  # an agent run: no prompts
+        return out
+    return out | {
         "steps whose prompts differ": sum(ref_prompts.get(k) != got_prompts.get(k) for k in range(1, steps + 1)),
         "prompts skipped": sum((ref_all - got_all).values()),
         "prompts trained twice": sum((got_all - ref_all).values()),
@@ -301,17 +311,19 @@ def compare(ref: list[dict], got: list[dict], steps: int) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="examples/configs/grpo_multi_env_async.yaml")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--gym", action="store_true", help="an agent run (examples/run_grpo_gym.py)")
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--kills", type=int, default=30)
-    ap.add_argument("--kinds", default=",".join(ALL_KINDS))
+    ap.add_argument("--kinds", default=None, help=f"default: {','.join(LM_KINDS)}; with --gym: collector,driver")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gap", default="2,6", help="seconds between a kill's outcome and the next kill: LO,HI")
+    ap.add_argument("--gap", default="1,4", help="seconds between a kill's outcome and the next kill: LO,HI")
     ap.add_argument("--outcome-timeout", type=float, default=180.0)
     ap.add_argument("--work", default=None, help="folder for both runs (default: a new one under /tmp)")
     ap.add_argument("--skip-reference", action="store_true", help="no undisturbed run (no comparison)")
     ap.add_argument("overrides", nargs="*", help="key=value for both runs")
     args = ap.parse_args(argv)
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    args.kinds = [k.strip() for k in (args.kinds or ("collector,driver" if args.gym else ",".join(LM_KINDS))).split(",")
+                  if k.strip()]
     if bad := [k for k in args.kinds if k not in ALL_KINDS]:
         ap.error(f"--kinds: unknown {bad}; known: {', '.join(ALL_KINDS)}")
     args.gap = tuple(float(x) for x in args.gap.split(","))
@@ -345,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} (must be 0) | {value} |")
         print(f"| final held-out accuracy, undisturbed | {final_accuracy(ref)} |")
     print(f"| final held-out accuracy, chaos | {final_accuracy(rows)} |")
-    lines = collections.Counter(x.stop_line for x in kills if x.stop_line)
+    # Worker names end in a random hex id: without it the same message counts once.
+    lines = collections.Counter(re.sub(r"-[0-9a-f]{8}\b", "-...", x.stop_line) for x in kills if x.stop_line)
     if lines:
         print()
         print("What the driver said when a kill stopped it:")
