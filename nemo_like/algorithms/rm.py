@@ -1,0 +1,193 @@
+"""Reward-model training: Bradley-Terry on preference pairs, on a worker group of its own.
+
+    uv run examples/run_rm.py [--config examples/configs/rm_math_tiny.yaml] [key=value ...]
+
+Each step trains one global batch of pairs; every ``trainer.val_period`` steps and at the end the
+held-out pairs are scored: pair accuracy (the chosen side scored higher) and the mean margin. The
+result is saved to ``output_dir`` as a plain HF sequence-classification folder, tokenizer included.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_like.data.errors import DataError
+from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.models.reward_model import RewardModelConfig
+from nemo_like.utils.logger import Logger, LoggerConfig
+
+BOOTSTRAP_PREFIX = "bootstrap:"
+
+
+class MathPairsConfig(BaseModel):
+    """Pairs built from the arithmetic task: the right ``\\boxed{}`` answer against a near miss."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_train: int = Field(2000, gt=0)
+    num_validation: int = Field(500, gt=0)
+    seed: int = 0
+
+
+class RMDataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # JSONL pair files (nemo_like/data/preferences.py has the format); or math_pairs instead.
+    train: str | None = None
+    validation: str | None = None
+    math_pairs: MathPairsConfig | None = None
+    # Tokens per side (prompt and response rendered by the chat template); longer sides are cut, counted.
+    max_length: int = Field(64, gt=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RMDataConfig:
+        if (self.train is None) == (self.math_pairs is None):
+            raise ValueError("data: give either data.train (a JSONL pair file) or data.math_pairs, not both or neither")
+        if self.train is not None and self.validation is None:
+            raise ValueError("data.validation: a JSONL pair file of held-out pairs is needed with data.train")
+        return self
+
+
+class RMTrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_epochs: int = Field(1, gt=0)
+    val_period: int = Field(10, ge=0)  # steps between held-out evaluations (0: only at the start and end)
+    seed: int = 0
+
+
+class RMClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    address: str | None = None
+    num_cpus: int | None = None
+    num_workers: int = Field(1, gt=0)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+
+
+class RMConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # model_name "bootstrap:<GRPO config>" takes that config's bootstrapped tiny base model.
+    reward_model: RewardModelConfig
+    data: RMDataConfig
+    trainer: RMTrainerConfig = RMTrainerConfig()
+    cluster: RMClusterConfig = RMClusterConfig()
+    logger: LoggerConfig = LoggerConfig(log_dir="logs/rm")
+    # Where the trained reward model is saved (a plain HF folder).
+    output_dir: str = "results/rm"
+
+
+def load_rm_config(path: str | Path, overrides: list[str] | None = None) -> RMConfig:
+    """The YAML (with its ``defaults:``) and ``key=value`` overrides, checked: ConfigError naming the key."""
+    from pydantic import ValidationError
+
+    from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_defaults
+
+    raw = apply_overrides(load_yaml_with_defaults(path), list(overrides or []), schema=RMConfig)
+    try:
+        return RMConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {format_validation_error(e)}") from None
+
+
+def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    if cfg.math_pairs is None:
+        return load_preference_pairs(cfg.train), load_preference_pairs(cfg.validation)
+    from nemo_like.data.datasets import ArithmeticConfig, generate_arithmetic_dataset
+
+    m = cfg.math_pairs
+
+    def rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
+        ds = generate_arithmetic_dataset(ArithmeticConfig(split=split, num_samples=n, seed=seed, min_value=0,
+                                                          max_value=99, ops=["+"]))
+        return [dict(r) for r in ds]
+
+    return (math_preference_pairs(rows("train", m.num_train, m.seed + 1), seed=m.seed),
+            math_preference_pairs(rows("validation", m.num_validation, m.seed + 2), seed=m.seed + 1))
+
+
+def resolve_model(name: str) -> str:
+    """``bootstrap:<config>``: that GRPO config's bootstrapped base model (built if not cached)."""
+    if not name.startswith(BOOTSTRAP_PREFIX):
+        from nemo_like.models.pretrained import resolve_model_source
+
+        return resolve_model_source(name, key="reward_model.model_name")
+    from nemo_like.config import load_config
+    from nemo_like.models.bootstrap import ensure_base_model
+
+    return ensure_base_model(load_config(name[len(BOOTSTRAP_PREFIX):]))
+
+
+def evaluate(rm: Any, val: dict[str, torch.Tensor]) -> dict[str, float]:
+    scores = rm.score(BatchedDataDict(input_ids=val["input_ids"], input_lengths=val["input_lengths"]))
+    margin = scores[0::2] - scores[1::2]
+    return {"val/pair_accuracy": float((margin > 0).float().mean()), "val/margin": float(margin.mean()),
+            "val/score_mean": float(scores.mean())}
+
+
+def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
+    """The whole run; returns the final held-out metrics, the steps and the saved folder."""
+    from transformers import AutoTokenizer
+
+    from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
+    from nemo_like.models.reward_model import RewardModel
+
+    train_pairs, val_pairs = _pairs(cfg.data)  # data errors before Ray starts
+    gbs = cfg.reward_model.train_global_batch_size
+    if len(train_pairs) < gbs:
+        raise DataError(f"{len(train_pairs)} training pairs are fewer than one global batch "
+                        f"(reward_model.train_global_batch_size={gbs})")
+    started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
+    cluster = rm = logger = None
+    try:
+        model_dir = resolve_model(cfg.reward_model.model_name)
+        tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.reward_model.trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        train = tokenize_pairs(train_pairs, tok, cfg.data.max_length)
+        val = tokenize_pairs(val_pairs, tok, cfg.data.max_length)
+        c = cfg.cluster
+        cluster = RayVirtualCluster(c.num_workers, cpus_per_worker=c.cpus_per_worker, gpus_per_worker=c.gpus_per_worker,
+                                    name="reward_model")
+        rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
+        logger = Logger(cfg.logger)
+        logger.log_hyperparams(cfg)
+        first = evaluate(rm, val)
+        logger.log_metrics(first, step=0)
+        rng = random.Random(cfg.trainer.seed)
+        step, t0, last = 0, time.perf_counter(), first
+        for epoch in range(cfg.trainer.num_epochs):
+            order = list(range(len(train_pairs)))
+            rng.shuffle(order)
+            for s in range(0, len(order) - gbs + 1, gbs):  # whole global batches; the remainder waits
+                rows = [2 * p + k for p in order[s:s + gbs] for k in (0, 1)]
+                batch = BatchedDataDict(input_ids=train["input_ids"][rows], input_lengths=train["input_lengths"][rows])
+                step += 1
+                t = time.perf_counter()
+                m = {f"train/{k}": v for k, v in rm.train_pairs(batch).items()}
+                m |= {"train/epoch": float(epoch), "timing/train": time.perf_counter() - t}
+                if cfg.trainer.val_period and step % cfg.trainer.val_period == 0:
+                    last = evaluate(rm, val)
+                    m |= last
+                logger.log_metrics(m, step=step)
+        if not (cfg.trainer.val_period and step % cfg.trainer.val_period == 0):
+            last = evaluate(rm, val)
+            logger.log_metrics(last, step=step)
+        out = Path(cfg.output_dir)
+        rm.save(str(out))
+        tok.save_pretrained(out)
+        return {"first": first, "last": last, "steps": step, "seconds": time.perf_counter() - t0,
+                "output_dir": str(out), "truncated_pairs": int(train["truncated"].sum() + val["truncated"].sum()),
+                "train_pairs": len(train_pairs), "val_pairs": len(val_pairs)}
+    finally:
+        if logger is not None:
+            logger.close()
+        if rm is not None:
+            rm.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutdown_ray_if_started(started)

@@ -1,0 +1,230 @@
+"""A reward model (a causal-LM trunk with a scalar head read at a sequence's last token), trained on
+preference pairs with the Bradley-Terry loss, and the ``RewardModel`` facade over its worker group.
+
+The model is ``AutoModelForSequenceClassification`` with one label: a saved reward model is a plain
+HF folder that ``from_pretrained`` loads, and ``score(h[last token])`` is what it means by a score.
+The score is read at each sequence's last real token (its length - 1) from the trunk's hidden states,
+not by HF's "last non-pad token" rule, which depends on the pad token (often the end-of-turn token
+itself). The trunk and the head are wrapped in one module, so FSDP2 (several workers) shards the
+trunk's layers and the root holds the embeddings, final norm and head.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.distributed.worker_group import RayWorkerGroup
+from nemo_like.models.policy.hf_worker import init_process_group_once, setup_worker_process
+from nemo_like.models.policy.interfaces import OptimizerConfig, SchedulerConfig
+
+
+class RewardModelConfig(BaseModel):
+    """The reward model and its optimizer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # HF hub id or folder of the trunk (a causal LM); the head is new unless the folder is a reward model.
+    model_name: str = ""
+    trust_remote_code: bool = False
+    # Pairs per optimizer step, over all workers (each pair is two sequences).
+    train_global_batch_size: int = Field(32, gt=0)
+    # Pairs per forward/backward pass on a worker.
+    train_micro_batch_size: int = Field(16, gt=0)
+    # Sequences per forward pass when scoring.
+    forward_micro_batch_size: int = Field(64, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    # Clip the gradient's global L2 norm to this before each step; None: no clipping.
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    # Threads per worker; None = the worker's CPU share.
+    num_threads: int | None = Field(None, ge=1)
+
+
+class LastTokenScore(nn.Module):
+    """``forward(input_ids, lengths) -> [B]``: the head of a sequence-classification model at each
+    sequence's last real token."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @property
+    def trunk(self) -> nn.Module:
+        return getattr(self.model, self.model.base_model_prefix)
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        attn = (torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]).long()
+        h = self.trunk(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state
+        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+        return self.model.score(last)[:, 0].float()
+
+
+def load_reward_model(model_name: str, trust_remote_code: bool = False) -> nn.Module:
+    """A one-label sequence-classification model in float32 with no dropout (a regression target)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    cfg.num_labels = 1
+    for key in list(cfg.to_dict()):
+        if "dropout" in key and isinstance(getattr(cfg, key, None), (int, float)):
+            setattr(cfg, key, 0.0)
+    model = AutoModelForSequenceClassification.from_pretrained(model_name, config=cfg, dtype=torch.float32,
+                                                               trust_remote_code=trust_remote_code)
+    if not hasattr(model, "score") or model.score.out_features != 1:
+        raise ValueError(f"reward_model.model_name={model_name!r}: its classification head is not one scalar "
+                         "'score' layer (num_labels=1)")
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per pair: -log sigmoid(r_chosen - r_rejected)."""
+    return -F.logsigmoid(chosen - rejected)
+
+
+class RewardModelWorker:
+    def __init__(self, config: RewardModelConfig, *, seed: int = 0):
+        self.cfg = config
+        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
+        init_process_group_once(use_cuda, self.rank, self.world_size)
+        torch.manual_seed(seed)  # the same new head on every rank
+        scorer = LastTokenScore(load_reward_model(config.model_name, config.trust_remote_code)).to(self.device)
+        if self.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            for layer in getattr(scorer.trunk, "layers", None) or []:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(scorer, mesh=mesh)
+        self.scorer = scorer
+        o = config.optimizer
+        self.optimizer = torch.optim.AdamW(scorer.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.scheduler.lr_factor(s))
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        out = t.to(self.device) if self.device.type == "cuda" else t.clone()
+        dist.all_reduce(out)
+        return out.cpu()
+
+    def _scores(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        width = int(lengths.max())
+        return self.scorer(ids[:, :width].to(self.device), lengths.to(self.device))
+
+    @torch.no_grad()
+    def score(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``scores`` [B] of the shard's sequences."""
+        self.scorer.eval()
+        out = torch.zeros(data.size)
+        mb = self.cfg.forward_micro_batch_size
+        for s in range(0, data.size, mb):
+            out[s:s + mb] = self._scores(data["input_ids"][s:s + mb], data["input_lengths"][s:s + mb]).cpu()
+        return BatchedDataDict(scores=out)
+
+    def train_pairs(self, data: BatchedDataDict) -> dict[str, float]:
+        """One optimizer step per global batch of pairs (rows 2i and 2i+1 of the shard are pair i's
+        chosen and rejected sides); means over all ranks' pairs."""
+        n_pairs = data.size // 2
+        per_rank = self.cfg.train_global_batch_size // self.world_size
+        if data.size % 2 or n_pairs % per_rank:
+            raise ValueError(f"reward-model shard of {data.size} rows is not whole global batches of {per_rank} pairs")
+        self.scorer.train()
+        steps = []
+        for g in range(0, n_pairs, per_rank):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums = torch.zeros(3, dtype=torch.float64)  # loss, right, margin
+            mbs = min(self.cfg.train_micro_batch_size, per_rank)
+            for s in range(g, g + per_rank, mbs):
+                rows = slice(2 * s, 2 * min(s + mbs, g + per_rank))
+                r = self._scores(data["input_ids"][rows], data["input_lengths"][rows])
+                loss_terms = bradley_terry(r[0::2], r[1::2])
+                (loss_terms.sum() / self.cfg.train_global_batch_size * self.world_size).backward()
+                margin = (r[0::2] - r[1::2]).detach()
+                sums += torch.tensor([float(loss_terms.detach().sum()), float((margin > 0).sum()),
+                                      float(margin.sum())], dtype=torch.float64)
+            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(list(self.scorer.parameters()), max_norm)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            sums = self._reduce(sums) / self.cfg.train_global_batch_size
+            if not (math.isfinite(norm) and math.isfinite(float(sums[0]))):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise RuntimeError("reward model: non-finite loss or gradient; the optimizer step was skipped")
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            steps.append({"loss": float(sums[0]), "accuracy": float(sums[1]), "margin": float(sums[2]),
+                          "grad_norm": norm, "lr": float(lr)})
+        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {"num_optimizer_steps": len(steps)}
+
+    def save(self, path: str) -> None:
+        """The sequence-classification model as a plain HF folder (rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.scorer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            inner = {k.removeprefix("model."): v for k, v in sd.items()}
+            self.scorer.model.save_pretrained(Path(path), state_dict=inner, safe_serialization=True)
+        if self.world_size > 1:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RewardModel:
+    """The driver-side facade: ``score(batch)``, ``train_pairs(pairs)``, ``save(path)``."""
+
+    def __init__(self, cluster: RayVirtualCluster, config: RewardModelConfig, *, seed: int = 0,
+                 name_prefix: str = "reward_model"):
+        self.cfg = config
+        if config.train_global_batch_size % cluster.num_workers:
+            raise ValueError(f"reward_model.train_global_batch_size ({config.train_global_batch_size}) is not "
+                             f"divisible by the {cluster.num_workers} workers")
+        self.worker_group = RayWorkerGroup(cluster, RewardModelWorker, config, seed=seed, name_prefix=name_prefix,
+                                           env_vars={"NEMO_LIKE_USE_GPU": "1" if cluster.gpus_per_worker else "0"})
+        self.world_size = self.worker_group.world_size
+
+    def _results(self, refs):
+        return self.worker_group.get_all_worker_results(refs)
+
+    def score(self, data: BatchedDataDict) -> torch.Tensor:
+        """[B] scores of ``input_ids`` / ``input_lengths``."""
+        sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        n, pad = sub.size, (-sub.size) % self.world_size
+        if pad:  # equal shards (FSDP's collectives run in lock step); the copies are dropped
+            sub = BatchedDataDict.from_batches([sub, sub.select_indices([0] * pad)])
+        out = BatchedDataDict.from_batches(self._results(self.worker_group.run_all_workers_sharded_data("score", sub)))
+        return out["scores"][:n]
+
+    def train_pairs(self, data: BatchedDataDict) -> dict[str, float]:
+        """Pairs as rows 2i (chosen) and 2i+1 (rejected), a whole number of global batches."""
+        gbs = self.cfg.train_global_batch_size
+        if data.size % (2 * gbs):
+            raise ValueError(f"{data.size // 2} pairs are not whole global batches of {gbs} "
+                             "(reward_model.train_global_batch_size)")
+        # Each global batch of 2 x gbs rows is cut into equal contiguous pieces, one per rank: an even
+        # number of rows each, so a pair's two rows stay together.
+        sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        refs = self.worker_group.run_all_workers_sharded_data("train_pairs", sub, batch_size=2 * gbs)
+        return self._results(refs)[0]
+
+    def save(self, path: str) -> None:
+        self._results(self.worker_group.run_all_workers_single_data("save", str(path)))
+
+    def shutdown(self) -> None:
+        self.worker_group.shutdown()
