@@ -151,6 +151,22 @@ def test_checkpoint_round_trip_resumes_exactly(critic, batch, tmp_path):
     assert critic.weights_checksum() == after_one
 
 
+def _trained_copy(workers, cfg, model_dir, start, data, v0, train_data, name):
+    """A critic of ``workers`` ranks loaded from the checkpoint ``start`` (its values checked against
+    ``v0``), trained once on ``train_data``: its metrics and its values after."""
+    cluster = RayVirtualCluster(workers, cpus_per_worker=1)
+    try:
+        c = Critic(cluster, cfg, _policy_cfg(model_dir), seed=1, name_prefix=name)
+        try:
+            c.load_checkpoint(str(start))
+            assert (c.compute_values(data)["values"] - v0).abs().max() < 1e-5
+            return c.train(train_data), c.compute_values(data)["values"]
+        finally:
+            c.shutdown()
+    finally:
+        cluster.shutdown()
+
+
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "allreduce"])
 def test_two_rank_update_equals_one_rank_update(critic, batch, model_dir, tmp_path, fsdp):
     """FSDP2's reduce-scatter or, with fsdp off, the worker's own gradient all-reduce."""
@@ -162,20 +178,9 @@ def test_two_rank_update_equals_one_rank_update(critic, batch, model_dir, tmp_pa
     one_values = critic.compute_values(data)["values"]
     assert one["num_optimizer_steps"] == 2
 
-    cluster2 = RayVirtualCluster(2, cpus_per_worker=1)
-    try:
-        # Different micro-batches (1 per rank) than the one-rank run (2): the update must not change.
-        two_critic = Critic(cluster2, _critic_cfg(train_micro_batch_size=1, fsdp=fsdp), _policy_cfg(model_dir), seed=1,
-                            name_prefix="critic2")
-        try:
-            two_critic.load_checkpoint(str(tmp_path / "start"))
-            assert torch.allclose(two_critic.compute_values(data)["values"], v0, atol=1e-6)
-            two = two_critic.train(train_data)
-            two_values = two_critic.compute_values(data)["values"]
-        finally:
-            two_critic.shutdown()
-    finally:
-        cluster2.shutdown()
+    # Different micro-batches (1 per rank) than the one-rank run (2): the update must not change.
+    two, two_values = _trained_copy(2, _critic_cfg(train_micro_batch_size=1, fsdp=fsdp), model_dir,
+                                    tmp_path / "start", data, v0, train_data, "critic2")
     assert (two_values - one_values).abs().max() < 1e-5
     for k in ("value_loss", "vf_clipfrac", "values_mean", "grad_norm", "num_optimizer_steps"):
         assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
@@ -215,19 +220,9 @@ def test_packed_passes_give_the_unpacked_values_and_update(critic, batch, model_
     one = critic.train(train_data)
     after = critic.compute_values(data)["values"]
 
-    c2 = RayVirtualCluster(1, cpus_per_worker=1)
-    try:
-        packing = {"enabled": True, "max_tokens_per_microbatch": 256, "row_length": 128}
-        packed = Critic(c2, _critic_cfg(sequence_packing=packing), _policy_cfg(model_dir), seed=1, name_prefix="cpk")
-        try:
-            packed.load_checkpoint(str(tmp_path / "start"))
-            assert (packed.compute_values(data)["values"] - v0).abs().max() < 1e-5
-            m = packed.train(train_data)
-            packed_after = packed.compute_values(data)["values"]
-        finally:
-            packed.shutdown()
-    finally:
-        c2.shutdown()
+    packing = {"enabled": True, "max_tokens_per_microbatch": 256, "row_length": 128}
+    m, packed_after = _trained_copy(1, _critic_cfg(sequence_packing=packing), model_dir, tmp_path / "start", data, v0,
+                                    train_data, "cpk")
     assert (packed_after - after).abs().max() < 1e-5
     for k in ("value_loss", "vf_clipfrac", "values_mean", "grad_norm"):
         assert m[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
