@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,9 +27,11 @@ BOOTSTRAP_PREFIX = "bootstrap:"
 
 
 class MathPairsConfig(BaseModel):
-    """Pairs built from the arithmetic task: the right ``\\boxed{}`` answer against a near miss."""
+    """Pairs built from the arithmetic task: the right ``\\boxed{}`` answer against a wrong one."""
 
     model_config = ConfigDict(extra="forbid")
+    # "far": any other number; "near": off by one or ten, or two digits swapped (much harder to tell).
+    wrong: Literal["far", "near"] = "far"
     num_train: int = Field(2000, gt=0)
     num_validation: int = Field(500, gt=0)
     seed: int = 0
@@ -106,8 +108,8 @@ def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair
                                                           max_value=99, ops=["+"]))
         return [dict(r) for r in ds]
 
-    return (math_preference_pairs(rows("train", m.num_train, m.seed + 1), seed=m.seed),
-            math_preference_pairs(rows("validation", m.num_validation, m.seed + 2), seed=m.seed + 1))
+    return (math_preference_pairs(rows("train", m.num_train, m.seed + 1), seed=m.seed, wrong=m.wrong),
+            math_preference_pairs(rows("validation", m.num_validation, m.seed + 2), seed=m.seed + 1, wrong=m.wrong))
 
 
 def resolve_model(name: str) -> str:

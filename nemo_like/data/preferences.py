@@ -109,16 +109,29 @@ def _near_miss(answer: int, rng: random.Random) -> int:
     return rng.choice([o for o in options if o >= 0 and o != answer])
 
 
-def math_preference_pairs(problems: list[dict[str, Any]], seed: int = 0) -> list[PreferencePair]:
+def _far_miss(answer: int, rng: random.Random, high: int) -> int:
+    """Any other number from 0 to ``high``."""
+    wrong = answer
+    while wrong == answer:
+        wrong = rng.randint(0, high)
+    return wrong
+
+
+def math_preference_pairs(problems: list[dict[str, Any]], seed: int = 0, wrong: str = "far") -> list[PreferencePair]:
     """One pair per arithmetic problem (``problem``, ``expected_answer``): the right answer in the
-    task's ``\\boxed{}`` format against a near miss."""
+    task's ``\\boxed{}`` format against a wrong one. ``wrong="far"``: any other number up to twice
+    the largest answer; ``"near"``: a near miss (off by one or ten, two digits swapped), which a
+    model can only tell apart by checking the sum digit by digit."""
+    if wrong not in ("far", "near"):
+        raise ValueError(f"wrong must be 'far' or 'near', got {wrong!r}")
     rng = random.Random(seed)
+    high = 2 * max((int(r["expected_answer"]) for r in problems), default=1) + 1
     pairs = []
     for row in problems:
         answer = int(row["expected_answer"])
-        wrong = _near_miss(answer, rng)
+        wrong_answer = _near_miss(answer, rng) if wrong == "near" else _far_miss(answer, rng, high)
         pairs.append(PreferencePair((("user", row["problem"]),), (("assistant", f"\\boxed{{{answer}}}"),),
-                                    (("assistant", f"\\boxed{{{wrong}}}"),)))
+                                    (("assistant", f"\\boxed{{{wrong_answer}}}"),)))
     return pairs
 
 

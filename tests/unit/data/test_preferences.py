@@ -50,9 +50,15 @@ def test_an_empty_or_missing_file_is_an_error(tmp_path):
         load_preference_pairs(tmp_path / "nope.jsonl")
 
 
-def test_math_pairs_put_the_right_sum_against_a_near_miss():
+def test_math_pairs_put_the_right_sum_against_a_near_or_a_far_miss():
     rows = [{"problem": f"{a}+{b}=", "expected_answer": str(a + b)} for a, b in [(12, 34), (0, 0), (99, 99), (45, 9)]]
-    pairs = math_preference_pairs(rows, seed=3)
+    far = math_preference_pairs(rows * 50, seed=3)
+    wrongs = {int(p.rejected[0][1][len("\\boxed{"):-1]) for p in far}
+    assert all(0 <= w <= 397 for w in wrongs) and len(wrongs) > 50  # any number, never the right one
+    assert all(p.rejected != p.chosen for p in far)
+    with pytest.raises(ValueError, match="'far' or 'near'"):
+        math_preference_pairs(rows, wrong="close")
+    pairs = math_preference_pairs(rows, seed=3, wrong="near")
     for row, pair in zip(rows, pairs, strict=True):
         answer = int(row["expected_answer"])
         assert pair.prompt == (("user", row["problem"]),) and pair.chosen == (("assistant", f"\\boxed{{{answer}}}"),)
