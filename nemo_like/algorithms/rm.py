@@ -157,6 +157,7 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
                                     name="reward_model")
         rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
+        logger.set_aside_previous_rows()  # an earlier run's rows in the same log_dir are kept apart
         logger.log_hyperparams(cfg)
         first = evaluate(rm, val)
         logger.log_metrics(first, step=0)
