@@ -350,13 +350,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| **all** | **{len(kills)}** | {sum(x.outcome == 'in place' for x in kills)} | "
           f"{sum(x.outcome == 'resume' for x in kills)} | {sum(x.outcome == 'hung' for x in kills)} |")
     print()
+    what = "greedy return" if args.gym else "accuracy"
     print("| check | value |")
     print("|---|---:|")
     if ref is not None:
         for name, value in compare(ref, rows, args.steps).items():
             print(f"| {name} (must be 0) | {value} |")
-        print(f"| final held-out accuracy, undisturbed | {final_accuracy(ref)} |")
-    print(f"| final held-out accuracy, chaos | {final_accuracy(rows)} |")
+        print(f"| final held-out {what}, undisturbed | {final_accuracy(ref)} |")
+    print(f"| final held-out {what}, chaos | {final_accuracy(rows)} |")
     # Worker names end in a random hex id: without it the same message counts once.
     lines = collections.Counter(re.sub(r"-[0-9a-f]{8}\b", "-...", x.stop_line) for x in kills if x.stop_line)
     if lines:
