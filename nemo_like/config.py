@@ -22,6 +22,7 @@ from nemo_like.config_sections import (
     ClusterConfig,
     DataConfig,
     GRPOConfig,
+    RewardModelRewardConfig,
 )
 from nemo_like.data.datasets import GENERATOR_KINDS
 from nemo_like.data.processors import PROCESSOR_REGISTRY
@@ -102,6 +103,8 @@ class MasterConfig(UserImports):
     bootstrap: BootstrapConfig | None = None
     # A value model (PPO): its own worker group on cluster.critic; `critic: {}` takes the policy's model.
     critic: CriticConfig | None = None
+    # A trained reward model whose score joins the environments' rewards; its own workers (cluster.reward_model).
+    reward_model: RewardModelRewardConfig | None = None
 
     @model_validator(mode="before")
     @classmethod

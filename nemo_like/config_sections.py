@@ -197,6 +197,27 @@ class ClusterConfig(_Strict):
     generation: GenerationClusterConfig = GenerationClusterConfig()
     # The critic's worker group (a `critic` section): data parallel over num_workers, like the policy's.
     critic: GenerationClusterConfig = GenerationClusterConfig()
+    # The reward model's worker group (a `reward_model` section).
+    reward_model: GenerationClusterConfig = GenerationClusterConfig()
+
+
+class RewardModelRewardConfig(_Strict):
+    """A trained reward model (examples/run_rm.py's output, or any one-label sequence-classification
+    folder) whose score is added to the environments' rewards of every training sample."""
+
+    # HF hub id or folder of the reward model; it may use another tokenizer and chat template than the
+    # policy: each conversation is rendered again with its own.
+    model_name: str
+    # Let transformers run the model's own code from its folder (only for a reward model you trust).
+    trust_remote_code: bool = False
+    # The sample's reward is env reward + weight x score (per task: task_weights[task] when given).
+    weight: float = 1.0
+    # Per task_name weights, instead of weight for the tasks named.
+    task_weights: dict[str, float] = {}
+    # Tokens of a rendered conversation the reward model reads; a longer one keeps its last ones.
+    max_length: int = Field(512, gt=1)
+    # Conversations per forward pass on a worker.
+    forward_micro_batch_size: int = Field(64, gt=0)
 
 
 class ModelBuildConfig(_Strict):

@@ -91,6 +91,8 @@ class GRPOTrainer:
     # PPO's parts (algorithms/ppo.py): the critic facade, if any, and the KL-in-reward controller.
     critic: Any = None
     ppo: PPOStage = field(init=False)
+    # A reward model's score added to the training samples' rewards (algorithms/rm_reward.py), if any.
+    rm_scorer: Any = None
 
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
@@ -263,7 +265,8 @@ class GRPOTrainer:
             "train/num_samples": float(rewards.numel()),
             "train/epoch": float(self.sampler.epoch),
         }
-        metrics |= {f"train/{k}": v for k, v in rollout_metrics.items() if k != "generation_s"}  # timing/generation
+        metrics |= {(k if k.startswith(("rm/", "timing/")) else f"train/{k}"): v  # generation_s: timing/generation
+                    for k, v in rollout_metrics.items() if k != "generation_s"}
         if len(set(batch["task_name"])) > 1:
             metrics |= per_task_metrics(batch, "train")
         metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | ppo_metrics
@@ -318,7 +321,8 @@ class GRPOTrainer:
                                                backend_capabilities(p.generation.backend))
         return bool(on) and not (g.logprob_check_period and self.step_count % g.logprob_check_period == 0)
 
-    def _rollout(self, batch: BatchedDataDict, greedy: bool, generator: Any = None) -> tuple[BatchedDataDict, dict[str, float]]:
+    def _rollout(self, batch: BatchedDataDict, greedy: bool, generator: Any = None,
+                 with_rm: bool = True) -> tuple[BatchedDataDict, dict[str, float]]:
         cfg = self.config
         names = {d.task_name: d.env_name for d in cfg.data.train_list + cfg.data.validation_list} | self.env_names
         task_envs = {t: names.get(t, t) for t in self.envs}
@@ -329,10 +333,14 @@ class GRPOTrainer:
         else:
             tokenizer = getattr(self._local, "tokenizer", None) or copy.deepcopy(self.tokenizer)
             self._local.tokenizer = tokenizer
-        return run_multi_turn_rollout(generator or self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
-                                      max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy,
-                                      step_timeouts=limits, step_concurrency=step_concurrency(task_envs),
-                                      env_times=self.env_times)
+        batch, metrics = run_multi_turn_rollout(
+            generator or self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
+            max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy, step_timeouts=limits,
+            step_concurrency=step_concurrency(task_envs), env_times=self.env_times)
+        if with_rm and self.rm_scorer is not None:  # training samples (and ReMax's baseline), not validation
+            batch, rm_metrics = self.rm_scorer.apply(batch)
+            metrics |= rm_metrics
+        return batch, metrics
 
     def _async_runner(self) -> AsyncRolloutRunner | None:
         """The producer of grpo.async_rollouts, made at the first step (after any resume)."""
@@ -367,11 +375,11 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         batch = rl_collate_fn([self.val_dataset[i] for i in idx])
         if self.generator is self.policy:
-            batch, m = self._rollout(batch, greedy=True)
+            batch, m = self._rollout(batch, greedy=True, with_rm=False)
         else:  # the trainer's workers wait for validation anyway: they generate a share of it, beside the
             # rollout workers (shares by worker count: each worker has its own cores)
-            batch, m = run_split_rollout(batch, [lambda b: self._rollout(b, True, self.policy),
-                                                 lambda b: self._rollout(b, True, self.generator)],
+            batch, m = run_split_rollout(batch, [lambda b: self._rollout(b, True, self.policy, with_rm=False),
+                                                 lambda b: self._rollout(b, True, self.generator, with_rm=False)],
                                          [self.policy.world_size, getattr(self.generator, "num_workers", 1)])
             self.policy.finish_generation()
         rewards = batch["total_reward"]

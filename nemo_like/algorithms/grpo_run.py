@@ -134,6 +134,9 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             resources.append(critic_cluster.shutdown)
             critic = Critic(critic_cluster, cfg.critic, cfg.policy, seed=cfg.grpo.seed)
             resources.append(critic.shutdown)
+        rm_scorer = None
+        if cfg.reward_model is not None:  # a trained reward model on workers of its own (cluster.reward_model)
+            rm_scorer = _reward_model_scorer(cfg, resources)
         generator = policy
         if not cfg.policy.generation.colocated:  # a rollout group of its own, sent the weights after each update
             generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed,
@@ -150,7 +153,7 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
                           loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources, critic=critic,
-                          generator=generator)
+                          generator=generator, rm_scorer=rm_scorer)
     try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
         latest = ckpt.open_for_run(resume) if ckpt else None
         if latest is not None:
@@ -169,3 +172,29 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             raise ConfigError(str(e)) from None
         raise
     return trainer
+
+
+def _reward_model_scorer(cfg: MasterConfig, resources: list[Any]) -> Any:
+    """The reward model's worker group and the scorer that adds its score to the rewards."""
+    from transformers import AutoTokenizer
+
+    from nemo_like.algorithms.rm_reward import RewardModelScorer
+    from nemo_like.distributed.ray_cluster import RayVirtualCluster
+    from nemo_like.models.pretrained import resolve_model_source
+    from nemo_like.models.reward_model import RewardModel, RewardModelConfig
+
+    r, c = cfg.reward_model, cfg.cluster.reward_model
+    model_dir = resolve_model_source(r.model_name, key="reward_model.model_name")
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=r.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    cluster = RayVirtualCluster(c.num_workers, cpus_per_worker=c.cpus_per_worker, gpus_per_worker=c.gpus_per_worker,
+                                name="reward_model")
+    resources.append(cluster.shutdown)
+    # Scoring only: the training batch sizes just have to divide over the workers.
+    rm = RewardModel(cluster, RewardModelConfig(
+        model_name=model_dir, trust_remote_code=r.trust_remote_code, train_global_batch_size=c.num_workers,
+        train_micro_batch_size=1, forward_micro_batch_size=r.forward_micro_batch_size), seed=cfg.grpo.seed)
+    resources.append(rm.shutdown)
+    return RewardModelScorer(r, rm, tok)
+

@@ -68,7 +68,7 @@ def merge_rounds(rounds: list[tuple[BatchedDataDict, dict[str, float]]], keep: l
     out: dict[str, float] = {}
     for k, vs in metrics.items():
         leaf = k.rsplit("/", 1)[-1]
-        summed = leaf.startswith("num_") or leaf in ("step_errors", "step_timeouts", "generation_s")
+        summed = leaf.startswith("num_") or leaf in ("step_errors", "step_timeouts", "generation_s", "reward_model")
         out[k] = float(sum(vs)) if summed else float(sum(vs) / len(vs))  # type: ignore[arg-type]
     generated = sum(len(k) for k in keep)
     out["dynamic_sampling/gen_batches"] = float(len(rounds))
