@@ -210,8 +210,11 @@ class RewardModelRewardConfig(_Strict):
     model_name: str
     # Let transformers run the model's own code from its folder (only for a reward model you trust).
     trust_remote_code: bool = False
-    # The sample's reward is env reward + weight x score (per task: task_weights[task] when given).
+    # The sample's reward is env_weight x env reward + weight x score (per task: task_weights[task]).
     weight: float = 1.0
+    # 0 trains on the reward model alone; the environments' reward is still logged (rm/env_reward_mean):
+    # the gold score beside the proxy, to watch over-optimisation.
+    env_weight: float = 1.0
     # Per task_name weights, instead of weight for the tasks named.
     task_weights: dict[str, float] = {}
     # Tokens of a rendered conversation the reward model reads; a longer one keeps its last ones.

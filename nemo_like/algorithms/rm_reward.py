@@ -3,8 +3,8 @@
 The conversation of each sample (its messages' text, the environments' turns included) is rendered
 again with the reward model's own tokenizer and chat template, so a reward model with another
 vocabulary than the policy's reads what it was trained on (verl does the same when the tokenizers
-differ). A sample's reward becomes env reward + w x score, w the task's weight; a sample no
-environment could score (NaN) stays unscorable.
+differ). A sample's reward becomes env_weight x env reward + w x score, w the task's weight; a
+sample no environment could score (NaN) stays unscorable.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ class RewardModelScorer:
         env = batch["total_reward"].float()
         batch["env_reward"] = env.clone()
         batch["rm_score"] = scores
-        batch["total_reward"] = env + self.weights(list(batch["task_name"])) * scores
+        # NaN (unscorable) stays NaN even with env_weight 0: nothing is known of that sample.
+        batch["total_reward"] = torch.where(torch.isfinite(env), self.cfg.env_weight * env, env) + \
+            self.weights(list(batch["task_name"])) * scores
         scored = torch.isfinite(env)
         metrics = {"rm/score_mean": float(scores.mean()), "rm/score_std": float(scores.std()) if len(scores) > 1 else 0.0,
                    "rm/env_reward_mean": float(env[scored].mean()) if bool(scored.any()) else float("nan"),

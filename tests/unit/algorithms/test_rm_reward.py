@@ -41,6 +41,10 @@ def test_score_is_added_with_task_weights_and_nan_stays(ray_session, model_dir, 
                                 total_reward=torch.tensor([1.0, 0.0, float("nan")]),
                                 task_name=["math", "code", "math"])
         out, m = RewardModelScorer(cfg, rm, tok).apply(batch)
+        # env_weight 0: the reward model alone (the environments' reward still logged).
+        out2, m2 = RewardModelScorer(cfg.model_copy(update={"env_weight": 0.0}), rm, tok).apply(BatchedDataDict(
+            message_log=batch["message_log"], task_name=batch["task_name"],
+            total_reward=torch.tensor([1.0, 0.0, float("nan")])))
     finally:
         rm.shutdown()
         cluster.shutdown()
@@ -56,3 +60,5 @@ def test_score_is_added_with_task_weights_and_nan_stays(ray_session, model_dir, 
     assert math.isnan(float(out["total_reward"][2])) and math.isnan(float(out["env_reward"][2]))
     assert m["rm/score_mean"] == pytest.approx(float(want.mean()), abs=1e-5)
     assert m["rm/env_reward_mean"] == pytest.approx(0.5) and m["timing/reward_model"] > 0
+    assert torch.allclose(out2["total_reward"][:2], torch.tensor([0.5 * want[0], 2.0 * want[1]]), atol=1e-6)
+    assert math.isnan(float(out2["total_reward"][2])) and m2["rm/env_reward_mean"] == pytest.approx(0.5)
