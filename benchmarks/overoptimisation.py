@@ -12,8 +12,8 @@ where validated.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from nemo_like.utils.logger import read_metrics_jsonl
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--png", default=None)
     ap.add_argument("--every", type=int, default=10)
     args = ap.parse_args(argv)
-    rows = [json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()]
+    rows = read_metrics_jsonl(args.metrics)
     steps = [r for r in rows if r.get("rm/score_mean") is not None]
     if not steps:
         raise SystemExit(f"{args.metrics}: no rm/score_mean: not a run with a reward_model section")

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_like.algorithms.grpo_setup import build_task_dataset  # noqa: E402
+from nemo_like.algorithms.ppo_terms import explained_variance  # noqa: E402
 from nemo_like.config import load_config  # noqa: E402
 from nemo_like.data.datasets import load_dataset_from_config  # noqa: E402
 from nemo_like.environments.math_environment import verify_math_answer  # noqa: E402
@@ -79,8 +80,9 @@ def _grade(tok, responses: list[list[int]], answers: list[str]) -> list[float]:
                                                                                             strict=True)]
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    return float(1 - (returns - values).var() / returns.var())
+def _ev(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """The critic metric's explained variance over all the given tokens."""
+    return explained_variance(values[None], returns[None], torch.ones(1, returns.numel()))  # one row [1, N]
 
 
 def _fit_critic(folder: str, seqs: list[torch.Tensor], plens: list[int], rewards: list[float], test: int,
@@ -106,7 +108,7 @@ def _fit_critic(folder: str, seqs: list[torch.Tensor], plens: list[int], rewards
         with torch.no_grad():
             v = values(rows)
         m = mask[rows] > 0
-        return explained_variance(v[m], ret[rows][m])
+        return _ev(v[m], ret[rows][m])
 
     out = [ev()]
     train = torch.arange(test, n)
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| sampled reward mean (all {n} responses) | {sum(rewards) / n:.3f} |")
     print(f"| continuations per token | {k} |")
     print(f"| **ceiling of explained variance**, Var(V*) / Var(R) | **{ceiling:.3f}** |")
-    print(f"| explained variance of the Monte Carlo estimate itself | {explained_variance(v, r):.3f} |")
+    print(f"| explained variance of the Monte Carlo estimate itself | {_ev(v, r):.3f} |")
     print(f"| seconds (sampling and continuations) | {mc_s:.0f} |")
     if args.fit_samples:
         t1 = time.time()

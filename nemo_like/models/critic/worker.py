@@ -23,13 +23,13 @@ from nemo_like.models.critic.config import CriticConfig
 from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.packing import (
-    MASK_ATTENTION,
     MicroBatch,
     PackedBatch,
     attention_cost_ratio,
     build_packed,
     plan_microbatches,
     plan_rows,
+    require_mask_attention,
 )
 from nemo_like.models.policy.weight_export import named_checksum, read_safetensors_folder
 
@@ -118,10 +118,7 @@ def packed_values(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
 def check_value_packing(model: nn.Module) -> None:
     """Refuse packing on a value model whose attention ignores the packed mask: two short
     sequences with a shared prompt, packed, must get the values they get one by one."""
-    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if impl not in MASK_ATTENTION:
-        raise ValueError(f"critic sequence packing: the value model's attention implementation {impl!r} cannot "
-                         f"confine packed sequences (supported: {', '.join(MASK_ATTENTION)}); turn packing off")
+    require_mask_attention(model, "critic sequence packing")
     vocab = int(model.config.vocab_size)
     ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
     ids[1, :2] = ids[0, :2]

@@ -272,15 +272,20 @@ def packed_token_logprobs(model, packed: PackedBatch, temperature: float) -> tor
     return torch.where(packed.valid, picked, torch.zeros_like(picked))
 
 
+def require_mask_attention(model, key: str) -> None:
+    """Packing needs an attention implementation that takes the packed 4-D mask; ValueError naming ``key``."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl not in MASK_ATTENTION:
+        raise ValueError(f"{key}: the model's attention implementation {impl!r} cannot "
+                         f"confine packed sequences here (supported: {', '.join(MASK_ATTENTION)}); load it with "
+                         "attn_implementation='sdpa' or turn packing off")
+
+
 def check_packing_supported(model) -> None:
     """Refuse packing on a model whose attention ignores the packed mask: its log-probs would be
     silently wrong. Checked by construction (the attention implementation) and by a probe: two
     short sequences packed must give the log-probs they give one by one."""
-    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if impl not in MASK_ATTENTION:
-        raise ValueError(f"policy.sequence_packing.enabled: the model's attention implementation {impl!r} cannot "
-                         f"confine packed sequences here (supported: {', '.join(MASK_ATTENTION)}); load it with "
-                         "attn_implementation='sdpa' or turn packing off")
+    require_mask_attention(model, "policy.sequence_packing.enabled")
     device = next(model.parameters()).device
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
