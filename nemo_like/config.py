@@ -211,6 +211,7 @@ class MasterConfig(UserImports):
         self._check_critic()
         self._check_policy_backend()
         self._check_async()
+        self._check_roles()
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]
@@ -261,6 +262,14 @@ class MasterConfig(UserImports):
         check = getattr(cls, "check_config", None)
         if check is not None:
             check(self.policy)
+
+    def _check_roles(self) -> None:
+        """With cluster.resource_pools: each role this run has on a pool, and only those."""
+        used = {"policy": True, "generation": not self.policy.generation.colocated,
+                "reference": self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.kl_in_reward.enabled,
+                "critic": self.critic is not None, "reward_model": self.reward_model is not None}
+        needs_gpu = {"policy": "policy.backend=megatron"} if self.policy.backend == "megatron" else {}
+        self.cluster.check_roles(used, needs_gpu)
 
     def _check_async(self) -> None:
         a = self.grpo.async_rollouts

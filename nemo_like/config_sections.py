@@ -17,7 +17,7 @@ from nemo_like.utils.options import apply_registered_options
 
 __all__ = ["AsyncRolloutsConfig", "BootstrapConfig", "ClusterConfig", "CollapseStopConfig", "DataConfig",
            "DynamicSamplingConfig", "GAEConfig", "GRPOConfig", "GenerationClusterConfig", "KLInRewardConfig",
-           "ModelBuildConfig", "SFTBootstrapConfig"]
+           "ModelBuildConfig", "ROLES", "ResourcePoolConfig", "SFTBootstrapConfig"]
 
 
 class _Strict(BaseModel):
@@ -182,6 +182,28 @@ class GenerationClusterConfig(_Strict):
     gpus_per_worker: float = Field(0.0, ge=0)
 
 
+class ResourcePoolConfig(_Strict):
+    """Machines set aside for the roles named to this pool in ``cluster.roles``: ``nodes`` distinct Ray
+    nodes, each giving the pool ``cpus_per_node`` CPUs and ``gpus_per_node`` GPUs."""
+
+    # Distinct Ray nodes the pool spans (its bundles are spread one node each).
+    nodes: int = Field(1, gt=0)
+    # CPUs the pool takes on each of its nodes; a role's workers on a node split them.
+    cpus_per_node: float = Field(1.0, gt=0)
+    # GPUs the pool takes on each node (whole GPUs): each worker of a role gets one of them.
+    gpus_per_node: int = Field(0, ge=0)
+    # A custom Ray resource the pool's nodes must have (a node started with --resources='{"rm": 1}'):
+    # puts the pool on those named nodes; None: any node with room.
+    node_resource: str | None = None
+
+
+# The roles a run places; the reference model runs inside the policy's workers, so its pool is the policy's.
+ROLES = ("policy", "generation", "reference", "critic", "reward_model")
+# The section of ClusterConfig that sizes each role's worker group (num_workers) when it is on a pool.
+ROLE_SECTIONS = {"policy": "cluster", "generation": "cluster.generation", "critic": "cluster.critic",
+                 "reward_model": "cluster.reward_model"}
+
+
 class ClusterConfig(_Strict):
     # The policy's training workers (data parallel ranks); policy.train_global_batch_size must divide by it.
     num_workers: int = Field(1, gt=0)
@@ -199,6 +221,100 @@ class ClusterConfig(_Strict):
     critic: GenerationClusterConfig = GenerationClusterConfig()
     # The reward model's worker group (a `reward_model` section).
     reward_model: GenerationClusterConfig = GenerationClusterConfig()
+    # Named pools of machines ({name: {nodes, cpus_per_node, gpus_per_node, node_resource}}); empty:
+    # each role gets a placement group of its own, sized by its section above (num_workers x cpus_per_worker).
+    resource_pools: dict[str, ResourcePoolConfig] = {}
+    # Which pool each role runs on ({policy, generation, reference, critic, reward_model}: pool name).
+    # Roles in one pool share its CPUs/GPUs, time-sliced; roles in different pools never compete. On a
+    # pool a role's size is its section's num_workers (a multiple of the pool's nodes); the pool sets
+    # the CPUs and GPUs of each worker.
+    roles: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _pools_and_roles(self) -> ClusterConfig:
+        if not self.resource_pools:
+            if self.roles:
+                raise ValueError(f"cluster.roles names pools ({sorted(set(self.roles.values()))}) but "
+                                 "cluster.resource_pools is empty: define them, e.g. cluster.resource_pools."
+                                 f"{next(iter(self.roles.values()))}={{nodes: 1, cpus_per_node: 2}}")
+            return self
+        for role, pool in self.roles.items():
+            if role not in ROLES:
+                raise ValueError(f"cluster.roles.{role}: no such role; roles: {list(ROLES)}")
+            if pool not in self.resource_pools:
+                raise ValueError(f"cluster.roles.{role}: no pool {pool!r} in cluster.resource_pools; "
+                                 f"pools: {sorted(self.resource_pools)}")
+        for name in self.resource_pools:
+            if name not in self.roles.values():
+                raise ValueError(f"cluster.resource_pools.{name}: no role runs on it; name it in cluster.roles "
+                                 "or remove it")
+        return self
+
+    def role_workers(self, role: str) -> GenerationClusterConfig | ClusterConfig:
+        """The section that sizes ``role``'s worker group (num_workers, and without pools its CPUs/GPUs)."""
+        return self if role in ("policy", "reference") else getattr(self, role)
+
+    def check_roles(self, used: dict[str, bool], needs_gpu: dict[str, str]) -> None:
+        """With pools: every role the run has (``used``) on one, none it lacks, the reference model on
+        the policy's pool, worker counts that spread evenly over a pool's nodes, GPUs where a role needs
+        them (``needs_gpu``: role -> why). Raises ValueError naming the key."""
+        if not self.resource_pools:
+            return
+        needs_gpu = dict(needs_gpu)
+        for role, on in used.items():
+            if on and role not in self.roles and role != "reference":
+                raise ValueError(f"cluster.roles.{role}: this run has a {role} role but no pool for it; "
+                                 f"name one of {sorted(self.resource_pools)}")
+            if not on and role in self.roles:
+                raise ValueError(f"cluster.roles.{role}: this run has no {role} role ({_ROLE_WHEN[role]}); "
+                                 "remove the key")
+        ref = self.roles.get("reference")
+        if ref is not None and ref != self.roles.get("policy"):
+            raise ValueError(f"cluster.roles.reference={ref!r}: the reference model runs inside the policy's "
+                             f"workers, so it is on the policy's pool ({self.roles.get('policy')!r}); remove the key "
+                             "or name that pool")
+        for role, pool_name in self.roles.items():
+            if role == "reference":
+                continue
+            pool, section = self.resource_pools[pool_name], self.role_workers(role)
+            key = ROLE_SECTIONS[role]
+            if "gpus_per_worker" in section.model_fields_set and section.gpus_per_worker > 0:
+                needs_gpu.setdefault(role, f"{key}.gpus_per_worker={section.gpus_per_worker:g}")
+            if role in needs_gpu and not pool.gpus_per_node:
+                raise ValueError(f"cluster.roles.{role}={pool_name!r}: {needs_gpu[role]} asks for a GPU, and the "
+                                 f"pool has none; set cluster.resource_pools.{pool_name}.gpus_per_node or put {role} "
+                                 "on a GPU pool")
+            n = section.num_workers
+            if pool.gpus_per_node and n != pool.nodes * pool.gpus_per_node:
+                raise ValueError(f"{key}.num_workers={n}: pool {pool_name!r} has {pool.nodes} node(s) x "
+                                 f"{pool.gpus_per_node} GPU(s) and each worker takes one GPU; set {key}.num_workers="
+                                 f"{pool.nodes * pool.gpus_per_node}")
+            if n % pool.nodes:
+                raise ValueError(f"{key}.num_workers={n} does not spread evenly over pool {pool_name!r}'s "
+                                 f"{pool.nodes} nodes; use a multiple of {pool.nodes}")
+            # The pool sizes each worker; a section that says otherwise would be silently overruled.
+            share = pool.cpus_per_node / (pool.gpus_per_node or n // pool.nodes)
+            if "cpus_per_worker" in section.model_fields_set and abs(section.cpus_per_worker - share) > 1e-9:
+                raise ValueError(f"{key}.cpus_per_worker={section.cpus_per_worker:g}: on pool {pool_name!r} each "
+                                 f"{role} worker gets {share:g} CPU(s) (cpus_per_node / workers a node); remove the "
+                                 f"key or set cluster.resource_pools.{pool_name}.cpus_per_node")
+            gpus = 1 if pool.gpus_per_node else 0
+            if "gpus_per_worker" in section.model_fields_set and section.gpus_per_worker != gpus:
+                raise ValueError(f"{key}.gpus_per_worker={section.gpus_per_worker:g}: on pool {pool_name!r} each "
+                                 f"{role} worker gets {gpus} GPU; remove the key")
+
+    def pool_sharing(self) -> dict[str, list[str]]:
+        """Pool name -> the roles on it that have workers of their own (the reference model has none)."""
+        out: dict[str, list[str]] = {}
+        for role, pool in self.roles.items():
+            if role != "reference":
+                out.setdefault(pool, []).append(role)
+        return out
+
+
+_ROLE_WHEN = {"policy": "always present", "generation": "only with policy.generation.colocated=false",
+              "reference": "only with a KL penalty", "critic": "only with a critic section",
+              "reward_model": "only with a reward_model section"}
 
 
 class RewardModelRewardConfig(_Strict):

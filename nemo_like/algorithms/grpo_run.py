@@ -35,7 +35,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     from transformers import AutoTokenizer
 
     from nemo_like.data.datasets import load_dataset_from_config
-    from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
+    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+    from nemo_like.distributed.resource_pools import PlacementError, place_roles
     from nemo_like.environments.registry import create_env_actor, registered_envs
     from nemo_like.environments.supervision import wait_for_env_actors
     from nemo_like.models.critic.critic import Critic
@@ -115,32 +116,36 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             path = ensure_base_model(cfg)
             cfg.policy.model_name, cfg.policy.tokenizer_name = path, path
             tokenizer = load_tokenizer()
-        cluster = RayVirtualCluster(cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker,
-                                    gpus_per_worker=cfg.cluster.gpus_per_worker, name="policy")
-        resources.append(cluster.shutdown)
+        # Every role's room is reserved before a model loads (a short cluster fails in seconds), and the
+        # plan is printed: which pool (or group of its own) each role runs on, and on which nodes.
+        roles = ["policy"] + (["generation"] if not cfg.policy.generation.colocated else []) + (
+            ["critic"] if cfg.critic is not None else []) + (["reward_model"] if cfg.reward_model is not None else [])
+        try:
+            plan = place_roles(cfg.cluster, roles)
+        except PlacementError as e:
+            raise ConfigError(str(e)) from None
+        resources.append(plan.shutdown)
+        print("[nemo_like] placement (role -> pool -> nodes):\n" + "\n".join(f"  {line}" for line in plan.describe()))
 
         train_ds = build_task_dataset(train_cfgs, train_rows, tokenizer, max_in)
         val_ds = build_task_dataset(val_cfgs, val_rows, tokenizer, max_in) if val_rows else None
 
-        policy = Policy(cluster, cfg.policy, seed=cfg.grpo.seed,
+        policy = Policy(plan["policy"], cfg.policy, seed=cfg.grpo.seed,
                         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0
                         or cfg.grpo.kl_in_reward.enabled)
         resources.append(policy.shutdown)
         critic = None
         if cfg.critic is not None:  # a value model of its own, on its own workers (cluster.critic)
-            c = cfg.cluster.critic
-            critic_cluster = RayVirtualCluster(c.num_workers, cpus_per_worker=c.cpus_per_worker,
-                                               gpus_per_worker=c.gpus_per_worker, name="critic")
-            resources.append(critic_cluster.shutdown)
-            critic = Critic(critic_cluster, cfg.critic, cfg.policy, seed=cfg.grpo.seed)
+            critic = Critic(plan["critic"], cfg.critic, cfg.policy, seed=cfg.grpo.seed)
             resources.append(critic.shutdown)
         rm_scorer = None
         if cfg.reward_model is not None:  # a trained reward model on workers of its own (cluster.reward_model)
-            rm_scorer = _reward_model_scorer(cfg, resources)
+            rm_scorer = _reward_model_scorer(cfg, plan["reward_model"], resources)
         generator = policy
         if not cfg.policy.generation.colocated:  # a rollout group of its own, sent the weights after each update
             generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed,
-                                     worker_cls=generation_worker_cls(cfg.policy.generation.backend))
+                                     worker_cls=generation_worker_cls(cfg.policy.generation.backend),
+                                     cluster=plan["generation"])
             resources.append(generator.shutdown)
         logger = Logger(cfg.logger)
         resources.append(logger.close)
@@ -174,12 +179,11 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     return trainer
 
 
-def _reward_model_scorer(cfg: MasterConfig, resources: list[Any]) -> Any:
+def _reward_model_scorer(cfg: MasterConfig, cluster: Any, resources: list[Any]) -> Any:
     """The reward model's worker group and the scorer that adds its score to the rewards."""
     from transformers import AutoTokenizer
 
     from nemo_like.algorithms.rm_reward import RewardModelScorer
-    from nemo_like.distributed.ray_cluster import RayVirtualCluster
     from nemo_like.models.pretrained import resolve_model_source
     from nemo_like.models.reward_model import RewardModel, RewardModelConfig
 
@@ -188,9 +192,6 @@ def _reward_model_scorer(cfg: MasterConfig, resources: list[Any]) -> Any:
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=r.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    cluster = RayVirtualCluster(c.num_workers, cpus_per_worker=c.cpus_per_worker, gpus_per_worker=c.gpus_per_worker,
-                                name="reward_model")
-    resources.append(cluster.shutdown)
     # Scoring only: the training batch sizes just have to divide over the workers.
     rm = RewardModel(cluster, RewardModelConfig(
         model_name=model_dir, trust_remote_code=r.trust_remote_code, train_global_batch_size=c.num_workers,

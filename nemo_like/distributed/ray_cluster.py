@@ -227,8 +227,17 @@ class RayVirtualCluster:
             raise RuntimeError("RayVirtualCluster has been shut down")
         return self._placement_group
 
+    @property
+    def threads_per_worker(self) -> int:
+        """Torch/OpenMP threads of a worker: the CPUs it reserves (at least one)."""
+        return max(1, int(self.cpus_per_worker))
+
+    def bundle_index(self, rank: int) -> int:
+        """The bundle rank ``rank`` runs in (its own: rank i -> bundle i)."""
+        return rank
+
     def bundle_node_ids(self) -> list[str]:
-        """Node id hosting each bundle, in bundle order."""
+        """Node id hosting each bundle, in bundle (= rank) order."""
         table = ray.util.placement_group_table(self.placement_group)
         mapping = table.get("bundles_to_node_id", {})
         return [mapping[i] for i in range(self.num_workers)]

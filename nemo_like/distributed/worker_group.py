@@ -73,7 +73,9 @@ def _master_addr_port(node_ids: list[str]) -> tuple[str, int]:
 
 
 class RayWorkerGroup:
-    """``cluster.num_workers`` actors of ``worker_cls``; actor i runs in bundle i with RANK=i.
+    """``cluster.num_workers`` actors of ``worker_cls``; actor i runs in bundle ``cluster.bundle_index(i)``
+    with RANK=i. ``cluster`` is a :class:`RayVirtualCluster` (bundle i) or a role's share of a resource
+    pool (``nemo_like.distributed.resource_pools.RolePlacement``, ranks of a node in one bundle).
 
     ``*args``/``**kwargs`` go to every worker's constructor. The constructor returns once every
     worker's ``__init__`` finished, so construction errors surface here, naming the rank.
@@ -108,7 +110,7 @@ class RayWorkerGroup:
         pg = cluster.placement_group
         node_ids = cluster.bundle_node_ids()
         master_addr, master_port = _master_addr_port(node_ids)
-        num_threads = str(max(1, int(cluster.cpus_per_worker)))
+        num_threads = str(cluster.threads_per_worker)
         world_size = cluster.num_workers
         group_id = uuid.uuid4().hex[:8]
         self._workers: list[ActorHandle] = []
@@ -129,7 +131,7 @@ class RayWorkerGroup:
                 num_cpus=cluster.cpus_per_worker,
                 num_gpus=cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank
+                    placement_group=pg, placement_group_bundle_index=cluster.bundle_index(rank)
                 ),
                 runtime_env={"env_vars": worker_env},
                 # Unique per group so two groups with the same prefix never collide; shows up in

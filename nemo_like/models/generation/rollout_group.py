@@ -202,16 +202,19 @@ class RolloutHandle:
 class RolloutGroup(GenerationInterface):
     def __init__(self, policy_config: PolicyConfig, cluster_config: GenerationClusterConfig, *, seed: int = 0,
                  transport: WeightTransport | None = None, worker_cls: type = RolloutWorker,
-                 name_prefix: str = "rollout"):
+                 name_prefix: str = "rollout", cluster: Any = None):
+        """``cluster``: where the workers run (a RayVirtualCluster or a role's share of a resource pool,
+        from ``place_roles``); None reserves a group of ``cluster_config``'s size here."""
         self.cfg = policy_config
         self.worker_cls = worker_cls
-        gpus = cluster_config.gpus_per_worker
+        gpus = cluster.gpus_per_worker if cluster is not None else cluster_config.gpus_per_worker
         if transport is None:
             cls = TRANSPORTS[policy_config.generation.refit_transport]
             transport = cls(backend="nccl" if gpus else "gloo") if cls is CollectiveTransport else cls()
         self.transport = transport
-        self.cluster = RayVirtualCluster(cluster_config.num_workers, cpus_per_worker=cluster_config.cpus_per_worker,
-                                         gpus_per_worker=gpus, name=name_prefix)
+        self.cluster = cluster if cluster is not None else RayVirtualCluster(
+            cluster_config.num_workers, cpus_per_worker=cluster_config.cpus_per_worker, gpus_per_worker=gpus,
+            name=name_prefix)
         env = {"NEMO_LIKE_USE_GPU": "1" if gpus else "0"}
         if os.environ.get("HF_HUB_OFFLINE"):
             env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
