@@ -30,3 +30,12 @@ def ray_session():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def base_model_cache(tmp_path_factory):
+    """One ``bootstrap.cache_dir`` for the session, as a user's runs share ~/.cache/nemo_like. Its
+    folders are keyed by everything the base model's SFT reads (``bootstrap_cache_path``), so tests
+    whose bootstrap recipes match build the model once (e.g. the 150-step model of the PPO and
+    Megatron tests, ~13 s a build) and a test with another recipe still builds its own."""
+    return tmp_path_factory.mktemp("base_model_cache")

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
 
-def test_grpo_trains_the_megatron_backend_and_refits_the_rollout_worker(ray_session, tmp_path):
+def test_grpo_trains_the_megatron_backend_and_refits_the_rollout_worker(ray_session, tmp_path, base_model_cache):
     cfg = load_config(CONFIG, [
         "policy.backend=megatron", "policy.generation.colocated=false", "policy.sequence_packing.enabled=false",
         "cluster.cpus_per_worker=1", "cluster.generation.cpus_per_worker=1",
@@ -28,10 +28,12 @@ def test_grpo_trains_the_megatron_backend_and_refits_the_rollout_worker(ray_sess
         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
         "data.train.generator.num_samples=64", "data.validation.generator.num_samples=8",
-        # A base model that gets some problems right, so that groups differ and gradients are not zero.
+        # A base model that gets some problems right, so that groups differ and gradients are not zero:
+        # the PPO tests' recipe (one SFT worker), so the session's shared cache builds it once.
+        "bootstrap.num_workers=1",
         "bootstrap.model.hidden_size=64", "bootstrap.model.num_layers=2",
         "bootstrap.sft.num_steps=150", "bootstrap.sft.batch_size=32", "bootstrap.sft.micro_batch_size=32",
-        f"bootstrap.cache_dir={tmp_path / 'cache'}", f"logger.log_dir={tmp_path / 'logs'}",
+        f"bootstrap.cache_dir={base_model_cache}", f"logger.log_dir={tmp_path / 'logs'}",
         "logger.tensorboard_enabled=false", "checkpointing.enabled=false",
     ])
     trainer = setup(cfg)

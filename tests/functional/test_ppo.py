@@ -18,7 +18,7 @@ from nemo_like.config import load_config
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "ppo_math_tiny.yaml")
 
 
-def _config(tmp, *extra):
+def _config(tmp, cache, *extra):
     return load_config(CONFIG, [
         "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3",
         "grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
@@ -27,15 +27,16 @@ def _config(tmp, *extra):
         "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
         "cluster.cpus_per_worker=1", "cluster.critic.cpus_per_worker=1",
         "data.train.generator.num_samples=64", "data.validation.generator.num_samples=8",
-        # A base model that gets some sums right, so rewards differ and gradients are not zero.
+        # A base model that gets some sums right, so rewards differ and gradients are not zero. The same
+        # recipe as test_ppo_combinations and test_megatron_grpo: built once in the shared cache.
         "bootstrap.num_workers=1", "bootstrap.model.hidden_size=64", "bootstrap.model.num_layers=2",
         "bootstrap.sft.num_steps=150", "bootstrap.sft.batch_size=32", "bootstrap.sft.micro_batch_size=32",
-        f"bootstrap.cache_dir={tmp / 'cache'}", f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
+        f"bootstrap.cache_dir={cache}", f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=3", *extra])
 
 
-def test_ppo_warms_the_critic_up_then_trains_both_and_resumes_exactly(ray_session, tmp_path):
-    trainer = setup(_config(tmp_path))
+def test_ppo_warms_the_critic_up_then_trains_both_and_resumes_exactly(ray_session, tmp_path, base_model_cache):
+    trainer = setup(_config(tmp_path, base_model_cache))
     try:
         actor0, critic0 = trainer.policy.weights_checksum(), trainer.critic.weights_checksum()
         (m1,) = grpo_train(trainer, max_steps=1)
@@ -59,7 +60,7 @@ def test_ppo_warms_the_critic_up_then_trains_both_and_resumes_exactly(ray_sessio
     assert all(math.isfinite(r["critic/vf_explained_var"]) or math.isnan(r["critic/vf_explained_var"])
                for r in rows if "critic/vf_explained_var" in r)
 
-    trainer = setup(_config(tmp_path, "grpo.max_num_steps=4"))
+    trainer = setup(_config(tmp_path, base_model_cache, "grpo.max_num_steps=4"))
     try:
         assert trainer.step_count == 3
         assert trainer.critic.weights_checksum() == saved_critic

@@ -12,7 +12,7 @@ from nemo_like import GRPOExperiment
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "ppo_math_tiny.yaml")
 
 
-def test_ppo_with_async_rollouts_and_lora_from_the_notebook_api(ray_session, tmp_path):
+def test_ppo_with_async_rollouts_and_lora_from_the_notebook_api(ray_session, tmp_path, base_model_cache):
     exp = GRPOExperiment(CONFIG, [
         "grpo.num_prompts_per_step=8", "grpo.max_num_steps=3", "grpo.val_at_start=false", "grpo.val_period=0",
         "grpo.val_at_end=false", "critic.warmup_steps=1", "critic.train_micro_batch_size=8",
@@ -24,7 +24,7 @@ def test_ppo_with_async_rollouts_and_lora_from_the_notebook_api(ray_session, tmp
         "data.train.generator.num_samples=64", "data.validation.generator.num_samples=8",
         "bootstrap.num_workers=1", "bootstrap.model.hidden_size=64", "bootstrap.model.num_layers=2",
         "bootstrap.sft.num_steps=150", "bootstrap.sft.batch_size=32", "bootstrap.sft.micro_batch_size=32",
-        f"bootstrap.cache_dir={tmp_path / 'cache'}", f"logger.log_dir={tmp_path / 'logs'}",
+        f"bootstrap.cache_dir={base_model_cache}", f"logger.log_dir={tmp_path / 'logs'}",
         "logger.tensorboard_enabled=false", "checkpointing.enabled=false"])
     try:
         history = exp.train(steps=3)
