@@ -16,7 +16,7 @@ from nemo_like.config import load_config
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
 
-def _config(tmp_path, *extra):
+def _config(tmp_path, cache, *extra):
     overrides = [
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
         "grpo.max_num_steps=3",
@@ -29,7 +29,9 @@ def _config(tmp_path, *extra):
         "data.train.generator.num_samples=200", "data.validation.generator.num_samples=16",
         "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
         "bootstrap.sft.num_steps=5", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
-        f"bootstrap.cache_dir={tmp_path / 'cache'}",
+        # The session's shared cache: test_grpo_functional is the first to build this recipe (two SFT
+        # workers); its later tests and the math notebooks reuse it.
+        f"bootstrap.cache_dir={cache}",
         f"logger.log_dir={tmp_path / 'logs'}", "logger.tensorboard_enabled=false",
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "checkpointing.save_period=2",
         *extra,
@@ -42,8 +44,8 @@ def run_dir(ray_session, tmp_path_factory):
     return tmp_path_factory.mktemp("grpo")
 
 
-def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
-    cfg = _config(run_dir)
+def test_grpo_runs_logs_checkpoints_and_resumes(run_dir, base_model_cache):
+    cfg = _config(run_dir, base_model_cache)
     trainer = setup(cfg)
     try:
         results = grpo_train(trainer)
@@ -87,7 +89,7 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
 
     # A rerun with the same directories resumes at step 3 and continues to step 4; how the passes are
     # cut (here: packed rows on both ranks, log-probs recomputed) may change on a resume.
-    trainer = setup(_config(run_dir, "grpo.max_num_steps=4", "policy.sequence_packing.enabled=true",
+    trainer = setup(_config(run_dir, base_model_cache, "grpo.max_num_steps=4", "policy.sequence_packing.enabled=true",
                             "grpo.reuse_generation_logprobs=false"))
     try:
         assert trainer.step_count == 3
@@ -110,13 +112,13 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir):
 
     created = len(actors())
     with pytest.raises(ConfigError, match=r"different config: loss_fn.ratio_clip_max \(0.2 -> 0.3\)"):
-        setup(_config(run_dir, "grpo.max_num_steps=5", "loss_fn.ratio_clip_max=0.3"))
+        setup(_config(run_dir, base_model_cache, "grpo.max_num_steps=5", "loss_fn.ratio_clip_max=0.3"))
     assert len(actors()) == created  # no actor was ever started
 
 
-def test_training_stops_after_max_num_epochs_passes_over_the_data(ray_session, tmp_path):
+def test_training_stops_after_max_num_epochs_passes_over_the_data(ray_session, tmp_path, base_model_cache):
     # 8 training prompts, 4 a step: a pass is 2 steps, so 2 epochs end the run at step 4 of 10.
-    cfg = _config(tmp_path, "data.train.generator.num_samples=8", "grpo.max_num_epochs=2", "grpo.max_num_steps=10",
+    cfg = _config(tmp_path, base_model_cache, "data.train.generator.num_samples=8", "grpo.max_num_epochs=2", "grpo.max_num_steps=10",
                   "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "cluster.num_workers=1",
                   "checkpointing.enabled=false")
     trainer = setup(cfg)
@@ -128,11 +130,11 @@ def test_training_stops_after_max_num_epochs_passes_over_the_data(ray_session, t
         trainer.close()
 
 
-def test_checkpoints_are_ranked_only_by_their_own_validation(ray_session, tmp_path):
+def test_checkpoints_are_ranked_only_by_their_own_validation(ray_session, tmp_path, base_model_cache):
     # Validated and saved every second step; saves in between (exp.save() in a notebook, the save of a
     # collapse stop) must not carry the score of the validation before them, or they would tie with
     # it and win as the newer.
-    cfg = _config(tmp_path, "grpo.max_num_steps=3", "grpo.val_period=2", "checkpointing.save_period=2",
+    cfg = _config(tmp_path, base_model_cache, "grpo.max_num_steps=3", "grpo.val_period=2", "checkpointing.save_period=2",
                   "checkpointing.keep_top_k=null", "cluster.num_workers=1")
     trainer = setup(cfg)
     try:
