@@ -49,6 +49,10 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], in
     return int(code or 0)
 
 
+# Worker-group name prefixes (RayWorkerGroup name_prefix) and the cluster.roles role each one is.
+_ROLE_OF_PREFIX = {"policy": "policy", "rollout": "generation", "critic": "critic", "reward_model": "reward_model"}
+
+
 def dead_worker(e: BaseException) -> str | None:
     """"a <class> worker (<name>) died" when ``e`` (or an error it came from) is a Ray actor that
     died; None for any other error. A policy or rollout worker is not restarted in place: the one
@@ -63,7 +67,11 @@ def dead_worker(e: BaseException) -> str | None:
             cls = re.search(r"class_name: (\w+)", text)
             name = re.search(r"\bname: ([\w.-]+)", text)
             who = (f"a {cls.group(1)}" + ("" if cls.group(1).endswith("Worker") else " actor")) if cls else "a worker process"
-            return who + (f" ({name.group(1)})" if name else "") + " died"
+            # A worker group names its actors <prefix>-<rank>-<group id>; the prefix says the role.
+            role = _ROLE_OF_PREFIX.get(name.group(1).split("-")[0]) if name else None
+            node = re.search(r"its node has died\. Node Id: (\w+)", text)
+            return (who + (f" ({name.group(1)}" + (f", the {role} role" if role else "") + ")" if name else "")
+                    + (f" died with its node {node.group(1)[:8]}" if node else " died"))
         e = e.__cause__ or e.__context__
     return None
 

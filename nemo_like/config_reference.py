@@ -136,7 +136,9 @@ class _Page:
             shown = "required" if default is PydanticUndefined else _show(default)
             help_text = re.sub(r"\s+", " ", helps.get(name, "")).replace("|", "\\|")
             self.out.append(f"| `{key}` | {_type_name(f.annotation)} | {shown} | {help_text} |")
-            children += [(key, m, default) for m in nested]
+            # A dict of sections ({name: section}) documents one entry, under <name>.
+            entry = f"{key}.<name>" if typing.get_origin(f.annotation) is dict else key
+            children += [(entry, m, default) for m in nested]
         self.out.append("")
         return children
 

@@ -40,7 +40,7 @@ def died(ray_session):
 
 
 def test_dead_worker_names_the_class_through_wrapping_errors(died):
-    assert re.fullmatch(r"a RolloutWorker \(rollout-0-[\d-]+\) died", dead_worker(died))
+    assert re.fullmatch(r"a RolloutWorker \(rollout-0-[\d-]+, the generation role\) died", dead_worker(died))
     try:  # as the async runner re-raises a failed rollout
         try:
             raise died
