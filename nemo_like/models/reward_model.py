@@ -25,6 +25,7 @@ from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
 from nemo_like.models.policy.hf_worker import init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import OptimizerConfig, SchedulerConfig
+from nemo_like.models.policy.packing import PackedBatch, build_packed, plan_rows, require_mask_attention
 
 
 class RewardModelConfig(BaseModel):
@@ -47,6 +48,11 @@ class RewardModelConfig(BaseModel):
     max_grad_norm: float | None = Field(1.0, gt=0)
     # Threads per worker; None = the worker's CPU share.
     num_threads: int | None = Field(None, ge=1)
+    # Pack a micro-batch's sequences into rows (no padding; a pair's shared prompt computed once)
+    # instead of padding each to the longest; the scores are the same.
+    sequence_packing: bool = False
+    # Tokens per packed row (raised to the longest sequence where that is longer).
+    packing_row_length: int = Field(512, gt=1)
 
 
 class LastTokenScore(nn.Module):
@@ -61,11 +67,39 @@ class LastTokenScore(nn.Module):
     def trunk(self) -> nn.Module:
         return getattr(self.model, self.model.base_model_prefix)
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor, packed: PackedBatch | None = None,
+                last_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Padded rows (``lengths``), or ``packed`` rows with each score read at ``last_at`` (row, column)
+        of the packed positions. One entry point: under FSDP2 the root's forward gathers its parameters."""
+        if packed is not None:
+            impl = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+            mask = packed.attention_mask(impl, next(self.parameters()).dtype)
+            h = self.trunk(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                           use_cache=False).last_hidden_state
+            return self.model.score(h[last_at[0], last_at[1]])[:, 0].float()
         attn = (torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]).long()
         h = self.trunk(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self.model.score(last)[:, 0].float()
+
+
+def pack_for_scores(ids: torch.Tensor, lengths: torch.Tensor, row_length: int) -> tuple[PackedBatch, torch.Tensor]:
+    """Rows 2i and 2i+1 (a pair, or any two sequences) packed with their common prefix computed once.
+
+    Each sequence gets one extra (dummy) token, so that the packed position that "predicts" it, which
+    build_packed records, is the position of the sequence's last real token: where the score is read.
+    Returns the packed rows and, for each packed sample, its row in ``ids``."""
+    n = ids.shape[0]
+    ext = torch.cat([ids, torch.zeros((n, 1), dtype=ids.dtype)], dim=1)
+    ext_len = lengths + 1
+    prefix = torch.zeros(n, dtype=torch.long)
+    for i in range(0, n - 1, 2):
+        m = int(min(lengths[i], lengths[i + 1]))
+        same = (ids[i, :m] == ids[i + 1, :m]).long()
+        prefix[i] = prefix[i + 1] = int(same.cumprod(0).sum())
+    rows = plan_rows(ext, ext_len, max(row_length, int(ext_len.max())), prefix)
+    packed = build_packed(ext, ext_len, rows)
+    return packed, torch.tensor(packed.sample_idx)
 
 
 def load_reward_model(model_name: str, trust_remote_code: bool = False) -> nn.Module:
@@ -100,6 +134,8 @@ class RewardModelWorker:
         init_process_group_once(use_cuda, self.rank, self.world_size)
         torch.manual_seed(seed)  # the same new head on every rank
         scorer = LastTokenScore(load_reward_model(config.model_name, config.trust_remote_code)).to(self.device)
+        if config.sequence_packing:
+            require_mask_attention(scorer.model, "reward_model.sequence_packing")
         if self.world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -123,7 +159,13 @@ class RewardModelWorker:
 
     def _scores(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         width = int(lengths.max())
-        return self.scorer(ids[:, :width].to(self.device), lengths.to(self.device))
+        if not self.cfg.sequence_packing:
+            return self.scorer(ids[:, :width].to(self.device), lengths.to(self.device))
+        packed, order = pack_for_scores(ids[:, :width], lengths, self.cfg.packing_row_length)
+        k = torch.arange(len(order))
+        last_at = (packed.src_row[k, lengths[order]].to(self.device), packed.src_col[k, lengths[order]].to(self.device))
+        got = self.scorer(None, None, packed=packed.to(self.device), last_at=last_at)
+        return torch.empty_like(got).index_copy(0, order.to(got.device), got)  # back in the rows' order
 
     @torch.no_grad()
     def score(self, data: BatchedDataDict) -> BatchedDataDict:

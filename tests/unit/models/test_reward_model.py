@@ -13,7 +13,13 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from nemo_like.data.preferences import math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
-from nemo_like.models.reward_model import LastTokenScore, RewardModel, RewardModelConfig, bradley_terry
+from nemo_like.models.reward_model import (
+    LastTokenScore,
+    RewardModel,
+    RewardModelConfig,
+    bradley_terry,
+    pack_for_scores,
+)
 
 
 def test_bradley_terry_values():
@@ -96,3 +102,28 @@ def test_bad_batches_are_refused(ray_session, model_dir, pairs):
     finally:
         rm.shutdown()
         cluster.shutdown()
+
+
+def test_packed_pairs_score_and_train_as_padded_ones(ray_session, model_dir, pairs):
+    # The pair's shared prompt is laid out once: fewer tokens computed than the pairs hold.
+    packed, order = pack_for_scores(pairs["input_ids"], pairs["input_lengths"], row_length=64)
+    assert sorted(order.tolist()) == list(range(pairs.size))
+    assert packed.tokens_real < int((pairs["input_lengths"] + 1).sum()) - pairs.size // 2
+    one, two = RayVirtualCluster(1, cpus_per_worker=1), RayVirtualCluster(1, cpus_per_worker=1)
+    padded = RewardModel(one, _cfg(model_dir), seed=0, name_prefix="rm-padded")
+    packing = RewardModel(two, _cfg(model_dir, sequence_packing=True, packing_row_length=64), seed=0,
+                          name_prefix="rm-packed")
+    try:
+        before = padded.score(pairs)
+        assert torch.allclose(packing.score(pairs), before, atol=1e-5)
+        m_packed, m_padded = packing.train_pairs(pairs), padded.train_pairs(pairs)
+        after_packed, after_padded = packing.score(pairs), padded.score(pairs)
+    finally:
+        for x in (padded, packing):
+            x.shutdown()
+        one.shutdown()
+        two.shutdown()
+    for k in ("loss", "accuracy", "margin", "grad_norm"):
+        assert m_packed[k] == pytest.approx(m_padded[k], rel=1e-4, abs=1e-6), k
+    assert not torch.allclose(after_padded, before, atol=1e-3)  # the step moved the scores ...
+    assert torch.allclose(after_packed, after_padded, atol=1e-4)  # ... the same way, packed or not
