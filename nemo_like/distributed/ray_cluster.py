@@ -245,11 +245,16 @@ class RayVirtualCluster:
     def shutdown(self) -> None:
         """Remove the placement group (idempotent). Kill the worker group's actors first."""
         pg, self._placement_group = self._placement_group, None
-        if pg is not None:
-            try:
-                remove_placement_group(pg)
-            except Exception as e:  # noqa: BLE001 - Ray already gone: nothing left to free
-                logger.warning("removing placement group failed: %s", e)
+        remove_placement_group_quietly(pg, self.name)
+
+
+def remove_placement_group_quietly(pg: PlacementGroup | None, name: str) -> None:
+    """Free ``pg`` (None: nothing to do); a Ray that is already gone has nothing left to free."""
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            logger.warning("removing placement group %s failed: %s", name or "<unnamed>", e)
 
 
 def _fmt_resources(res: dict[str, float]) -> str:

@@ -15,19 +15,16 @@ pool every worker of a role has a bundle with one GPU of its own, which the role
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 
 from nemo_like.config_sections import ClusterConfig, ResourcePoolConfig
-from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.distributed.ray_cluster import RayVirtualCluster, remove_placement_group_quietly
 
 __all__ = ["PlacementError", "ResourcePool", "RolePlacement", "RolePlan", "check_pools_fit", "place_roles"]
-
-logger = logging.getLogger(__name__)
 
 # Per bundle, of a pool's node resource: a sliver, so that pools sharing named nodes never exhaust it.
 _NODE_RESOURCE_SHARE = 0.001
@@ -76,11 +73,7 @@ class ResourcePool:
 
     def shutdown(self) -> None:
         pg, self._pg = self._pg, None
-        if pg is not None:
-            try:
-                remove_placement_group(pg)
-            except Exception as e:  # noqa: BLE001 - Ray already gone: nothing left to free
-                logger.warning("removing pool %s failed: %s", self.name, e)
+        remove_placement_group_quietly(pg, f"pool-{self.name}")
 
 
 class RolePlacement:
