@@ -3,8 +3,9 @@
     uv run examples/run_rm.py [--config examples/configs/rm_math_tiny.yaml] [key=value ...]
 
 Each step trains one global batch of pairs; every ``trainer.val_period`` steps and at the end the
-held-out pairs are scored: pair accuracy (the chosen side scored higher) and the mean margin. The
-result is saved to ``output_dir`` as a plain HF sequence-classification folder, tokenizer included.
+held-out pairs are scored: pair accuracy (the chosen side scored higher) and the mean margin. With
+``checkpointing.enabled`` the run saves step checkpoints and resumes from the newest one. The result
+is saved to ``output_dir`` as a plain HF sequence-classification folder, tokenizer included.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.reward_model import RewardModelConfig
+from nemo_like.utils.checkpoint import CheckpointingConfig, CheckpointManager, training_info
+from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, LoggerConfig
 
 BOOTSTRAP_PREFIX = "bootstrap:"
@@ -59,6 +62,8 @@ class RMTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     num_epochs: int = Field(1, gt=0)
     val_period: int = Field(10, ge=0)  # steps between held-out evaluations (0: only at the start and end)
+    # Stop after this many optimizer steps (None: every whole global batch of every epoch).
+    max_steps: int | None = Field(None, gt=0)
     seed: int = 0
 
 
@@ -79,6 +84,10 @@ class RMConfig(BaseModel):
     trainer: RMTrainerConfig = RMTrainerConfig()
     cluster: RMClusterConfig = RMClusterConfig()
     logger: LoggerConfig = LoggerConfig(log_dir="logs/rm")
+    # step_<N> checkpoints (model, optimizer, where the run is) every save_period steps and at the end;
+    # a run resumes from the newest intact one in checkpoint_dir. Ranked by the held-out pair accuracy.
+    checkpointing: CheckpointingConfig = CheckpointingConfig(enabled=False, checkpoint_dir="results/rm/checkpoints",
+                                                             save_period=50, metric_name="val/pair_accuracy")
     # Where the trained reward model is saved (a plain HF folder).
     output_dir: str = "results/rm"
 
@@ -131,6 +140,19 @@ def evaluate(rm: Any, val: dict[str, torch.Tensor]) -> dict[str, float]:
             "val/score_mean": float(scores.mean())}
 
 
+def _batches(n_pairs: int, gbs: int, cfg: RMTrainerConfig) -> list[tuple[int, list[int]]]:
+    """(epoch, pair indices) of every step: whole global batches of each epoch's shuffle (the remainder
+    waits for the next epoch's), the same list on every run with the same seed, so a resumed run
+    goes on with the batches the interrupted one would have drawn."""
+    rng = random.Random(cfg.seed)
+    out = []
+    for epoch in range(cfg.num_epochs):
+        order = list(range(n_pairs))
+        rng.shuffle(order)
+        out += [(epoch, order[s:s + gbs]) for s in range(0, n_pairs - gbs + 1, gbs)]
+    return out[:cfg.max_steps] if cfg.max_steps else out
+
+
 def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     """The whole run; returns the final held-out metrics, the steps and the saved folder."""
     from transformers import AutoTokenizer
@@ -143,6 +165,10 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     if len(train_pairs) < gbs:
         raise DataError(f"{len(train_pairs)} training pairs are fewer than one global batch "
                         f"(reward_model.train_global_batch_size={gbs})")
+    # So is a checkpoint_dir of another run, in use by a live one, or with only damaged checkpoints.
+    ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
+    if ckpt is not None:
+        ckpt.preflight()
     started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
     cluster = rm = logger = None
     try:
@@ -157,36 +183,50 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
                                     name="reward_model")
         rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
-        logger.set_aside_previous_rows()  # an earlier run's rows in the same log_dir are kept apart
+        latest = ckpt.open_for_run() if ckpt is not None else None
+        if latest is not None:
+            state = load_train_state(latest)
+            rm.load_checkpoint(str(latest / "reward_model"))
+            start, first, last = int(state["step"]), state["first"], state["last"]
+            logger.keep_steps_up_to(start)  # rows the interrupted run logged after its checkpoint
+            print(f"[nemo_like] resumed from {latest} at step {start}")
+        else:
+            logger.set_aside_previous_rows()  # an earlier run's rows in the same log_dir are kept apart
+            start, first = 0, evaluate(rm, val)
+            last = first
+            logger.log_metrics(first, step=0)
         logger.log_hyperparams(cfg)
-        first = evaluate(rm, val)
-        logger.log_metrics(first, step=0)
-        rng = random.Random(cfg.trainer.seed)
-        step, t0, last = 0, time.perf_counter(), first
-        for epoch in range(cfg.trainer.num_epochs):
-            order = list(range(len(train_pairs)))
-            rng.shuffle(order)
-            for s in range(0, len(order) - gbs + 1, gbs):  # whole global batches; the remainder waits
-                rows = [2 * p + k for p in order[s:s + gbs] for k in (0, 1)]
-                batch = BatchedDataDict(input_ids=train["input_ids"][rows], input_lengths=train["input_lengths"][rows])
-                step += 1
-                t = time.perf_counter()
-                m = {f"train/{k}": v for k, v in rm.train_pairs(batch).items()}
-                m |= {"train/epoch": float(epoch), "timing/train": time.perf_counter() - t}
-                if cfg.trainer.val_period and step % cfg.trainer.val_period == 0:
-                    last = evaluate(rm, val)
-                    m |= last
-                logger.log_metrics(m, step=step)
-        if not (cfg.trainer.val_period and step % cfg.trainer.val_period == 0):
-            last = evaluate(rm, val)
-            logger.log_metrics(last, step=step)
+        batches = _batches(len(train_pairs), gbs, cfg.trainer)
+        t0 = time.perf_counter()
+        for step, (epoch, pairs) in enumerate(batches, start=1):
+            if step <= start:  # trained before the checkpoint
+                continue
+            rows = [2 * p + k for p in pairs for k in (0, 1)]
+            batch = BatchedDataDict(input_ids=train["input_ids"][rows], input_lengths=train["input_lengths"][rows])
+            t = time.perf_counter()
+            m = {f"train/{k}": v for k, v in rm.train_pairs(batch).items()}
+            m |= {"train/epoch": float(epoch), "timing/train": time.perf_counter() - t}
+            # Held-out pairs every val_period steps and after the last step (inside the loop, so that
+            # the last checkpoint holds the final scores and a resumed finished run adds no row).
+            if (cfg.trainer.val_period and step % cfg.trainer.val_period == 0) or step == len(batches):
+                last = evaluate(rm, val)
+                m |= last
+            logger.log_metrics(m, step=step)
+            if ckpt is not None and ckpt.should_save(step, is_last_step=step == len(batches)):
+                tmp = ckpt.init_tmp_checkpoint(step, training_info(step, last))
+                rm.save_checkpoint(str(tmp / "reward_model"))
+                save_train_state(tmp, {"step": step, "first": first, "last": last})
+                ckpt.finalize_checkpoint(tmp)
         out = Path(cfg.output_dir)
         rm.save(str(out))
         tok.save_pretrained(out)
-        return {"first": first, "last": last, "steps": step, "seconds": time.perf_counter() - t0,
-                "output_dir": str(out), "truncated_pairs": int(train["truncated"].sum() + val["truncated"].sum()),
+        return {"first": first, "last": last, "steps": len(batches), "seconds": time.perf_counter() - t0,
+                "resumed_at": start, "output_dir": str(out),
+                "truncated_pairs": int(train["truncated"].sum() + val["truncated"].sum()),
                 "train_pairs": len(train_pairs), "val_pairs": len(val_pairs)}
     finally:
+        if ckpt is not None:
+            ckpt.release_lock()
         if logger is not None:
             logger.close()
         if rm is not None:

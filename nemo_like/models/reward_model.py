@@ -26,6 +26,7 @@ from nemo_like.distributed.worker_group import RayWorkerGroup
 from nemo_like.models.policy.hf_worker import init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import OptimizerConfig, SchedulerConfig
 from nemo_like.models.policy.packing import PackedBatch, build_packed, plan_rows, require_mask_attention
+from nemo_like.models.policy.weight_export import read_safetensors_folder
 
 
 class RewardModelConfig(BaseModel):
@@ -223,6 +224,39 @@ class RewardModelWorker:
         if self.world_size > 1:
             dist.barrier()
 
+    def save_checkpoint(self, path: str) -> None:
+        """The model as :meth:`save` writes it, plus the optimizer and scheduler state; rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self.save(path)
+        optim_sd = get_optimizer_state_dict(self.scorer, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, Path(path) / "optimizer.pt")
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Exactly a checkpoint's weights (an error names missing and unexpected ones), optimizer and
+        scheduler state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        sd = {f"model.{k}": v for k, v in read_safetensors_folder(path, "reward-model checkpoint").items()}
+        expected = set(self.scorer.state_dict())
+        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise RuntimeError(f"{path}: the checkpoint's weights do not match the reward model: missing "
+                               f"{missing[:10]}, unexpected {unexpected[:10]}")
+        opts = StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(self.scorer, sd, options=opts)
+        st = torch.load(Path(path) / "optimizer.pt", weights_only=True, map_location="cpu")
+        set_optimizer_state_dict(self.scorer, self.optimizer, st["optimizer"], options=opts)
+        self.scheduler.load_state_dict(st["scheduler"])
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -267,6 +301,12 @@ class RewardModel:
 
     def save(self, path: str) -> None:
         self._results(self.worker_group.run_all_workers_single_data("save", str(path)))
+
+    def save_checkpoint(self, path: str) -> None:
+        self._results(self.worker_group.run_all_workers_single_data("save_checkpoint", str(path)))
+
+    def load_checkpoint(self, path: str) -> None:
+        self._results(self.worker_group.run_all_workers_single_data("load_checkpoint", str(path)))
 
     def shutdown(self) -> None:
         self.worker_group.shutdown()
