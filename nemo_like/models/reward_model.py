@@ -24,9 +24,9 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
 from nemo_like.models.policy.hf_worker import init_process_group_once, setup_worker_process
-from nemo_like.models.policy.interfaces import OptimizerConfig, SchedulerConfig
+from nemo_like.models.policy.interfaces import LoraConfig, OptimizerConfig, SchedulerConfig
+from nemo_like.models.policy.lora import apply_lora
 from nemo_like.models.policy.packing import PackedBatch, build_packed, plan_rows, require_mask_attention
-from nemo_like.models.policy.weight_export import read_safetensors_folder
 
 
 class RewardModelConfig(BaseModel):
@@ -54,6 +54,9 @@ class RewardModelConfig(BaseModel):
     sequence_packing: bool = False
     # Tokens per packed row (raised to the longest sequence where that is longer).
     packing_row_length: int = Field(512, gt=1)
+    # Train LoRA adapters (and the new head, whole) instead of every weight; the saved model has the
+    # adapters merged in, a plain HF folder as without them.
+    lora: LoraConfig = LoraConfig()
 
 
 class LastTokenScore(nn.Module):
@@ -123,6 +126,15 @@ def load_reward_model(model_name: str, trust_remote_code: bool = False) -> nn.Mo
     return model
 
 
+# A checkpoint's model tensors, named as the training module has them.
+CHECKPOINT_FILE = "reward_model.safetensors"
+
+
+def _with_lora(model: nn.Module, config: RewardModelConfig) -> nn.Module:
+    """The peft wrapper of ``model`` with ``config.lora``'s adapters and its head trained whole."""
+    return apply_lora(model, config.lora, config.model_name, key="reward_model.lora", task_type="SEQ_CLS")
+
+
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """Per pair: -log sigmoid(r_chosen - r_rejected)."""
     return -F.logsigmoid(chosen - rejected)
@@ -134,7 +146,10 @@ class RewardModelWorker:
         self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
         init_process_group_once(use_cuda, self.rank, self.world_size)
         torch.manual_seed(seed)  # the same new head on every rank
-        scorer = LastTokenScore(load_reward_model(config.model_name, config.trust_remote_code)).to(self.device)
+        model = load_reward_model(config.model_name, config.trust_remote_code)
+        if config.lora.enabled:  # adapters injected in place; the HF model keeps its forward and its head
+            model = _with_lora(model, config).get_base_model()
+        scorer = LastTokenScore(model).to(self.device)
         if config.sequence_packing:
             require_mask_attention(scorer.model, "reward_model.sequence_packing")
         if self.world_size > 1:
@@ -147,7 +162,7 @@ class RewardModelWorker:
             fully_shard(scorer, mesh=mesh)
         self.scorer = scorer
         o = config.optimizer
-        self.optimizer = torch.optim.AdamW(scorer.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+        self.optimizer = torch.optim.AdamW([p for p in scorer.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.scheduler.lr_factor(s))
 
@@ -220,18 +235,32 @@ class RewardModelWorker:
         sd = get_model_state_dict(self.scorer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             inner = {k.removeprefix("model."): v for k, v in sd.items()}
-            self.scorer.model.save_pretrained(Path(path), state_dict=inner, safe_serialization=True)
+            if self.cfg.lora.enabled:
+                # Merged on a fresh CPU copy: the training model's base weights stay untouched.
+                fresh = _with_lora(load_reward_model(self.cfg.model_name, self.cfg.trust_remote_code), self.cfg)
+                fresh.get_base_model().load_state_dict(inner, strict=True)
+                fresh.merge_and_unload(safe_merge=True).save_pretrained(Path(path), safe_serialization=True)
+            else:
+                self.scorer.model.save_pretrained(Path(path), state_dict=inner, safe_serialization=True)
         if self.world_size > 1:
             dist.barrier()
 
     def save_checkpoint(self, path: str) -> None:
-        """The model as :meth:`save` writes it, plus the optimizer and scheduler state; rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        """Every tensor of the model as it trains (with LoRA: base, adapters and head apart, not
+        merged), the optimizer and scheduler state; rank 0 writes."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
-        self.save(path)
-        optim_sd = get_optimizer_state_dict(self.scorer, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(self.scorer, options=opts)
+        optim_sd = get_optimizer_state_dict(self.scorer, self.optimizer, options=opts)
         if self.rank == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(Path(path) / CHECKPOINT_FILE))
             torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, Path(path) / "optimizer.pt")
         if self.world_size > 1:
             dist.barrier()
@@ -239,18 +268,19 @@ class RewardModelWorker:
     def load_checkpoint(self, path: str) -> None:
         """Exactly a checkpoint's weights (an error names missing and unexpected ones), optimizer and
         scheduler state."""
+        from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        sd = {f"model.{k}": v for k, v in read_safetensors_folder(path, "reward-model checkpoint").items()}
+        sd = load_file(str(Path(path) / CHECKPOINT_FILE))
         expected = set(self.scorer.state_dict())
         missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
         if missing or unexpected:
-            raise RuntimeError(f"{path}: the checkpoint's weights do not match the reward model: missing "
-                               f"{missing[:10]}, unexpected {unexpected[:10]}")
+            raise RuntimeError(f"{path}: the checkpoint's weights do not match the reward model (was it saved with "
+                               f"another reward_model.lora?): missing {missing[:10]}, unexpected {unexpected[:10]}")
         opts = StateDictOptions(full_state_dict=True, strict=True)
         set_model_state_dict(self.scorer, sd, options=opts)
         st = torch.load(Path(path) / "optimizer.pt", weights_only=True, map_location="cpu")

@@ -44,7 +44,7 @@ def _linear_module_names(model) -> list[str]:
                    if name and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")})
 
 
-def check_targets(model, cfg: LoraConfig, model_name: str) -> None:
+def check_targets(model, cfg: LoraConfig, model_name: str, key: str = "policy.lora") -> None:
     """Every listed target names a module of the model. peft itself only refuses a list none of
     whose names match; a typo beside correct names would silently leave that module unadapted."""
     if cfg.target_modules == "all-linear":
@@ -52,27 +52,28 @@ def check_targets(model, cfg: LoraConfig, model_name: str) -> None:
     modules = [(name, m) for name, m in model.named_modules() if name]
     matched = {t: [m for n, m in modules if n == t or n.endswith(f".{t}")] for t in cfg.target_modules}
     if missing := [t for t, ms in matched.items() if not ms]:
-        raise ValueError(f"policy.lora.target_modules: {missing} not found in {model_name}; its linear modules "
+        raise ValueError(f"{key}.target_modules: {missing} not found in {model_name}; its linear modules "
                          f"are {_linear_module_names(model)} (or use target_modules: all-linear)")
     # peft would name the block and print it whole; a block's layers are what can be adapted.
     if blocks := [t for t, ms in matched.items() if all(next(m.children(), None) is not None for m in ms)]:
-        raise ValueError(f"policy.lora.target_modules: {blocks} name blocks of {model_name}, not layers; name "
+        raise ValueError(f"{key}.target_modules: {blocks} name blocks of {model_name}, not layers; name "
                          f"its linear modules instead: {_linear_module_names(model)} (or all-linear)")
 
 
-def apply_lora(model, cfg: LoraConfig, model_name: str):
-    """``model`` with adapters on ``cfg.target_modules`` and every base weight frozen."""
+def apply_lora(model, cfg: LoraConfig, model_name: str, key: str = "policy.lora", task_type: str = "CAUSAL_LM"):
+    """``model`` with adapters on ``cfg.target_modules`` and every base weight frozen. ``task_type``
+    "SEQ_CLS" (a reward model) also trains the new classification head whole (peft's modules_to_save)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    check_targets(model, cfg, model_name)
+    check_targets(model, cfg, model_name, key)
     targets = cfg.target_modules if cfg.target_modules == "all-linear" else list(cfg.target_modules)
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                              bias="none", task_type="CAUSAL_LM")
+                              bias="none", task_type=task_type)
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as e:  # e.g. a target that is a block (self_attn), not a layer peft can adapt
-        raise ValueError(f"policy.lora.target_modules={cfg.target_modules!r} on {model_name}: {e}; its linear "
+        raise ValueError(f"{key}.target_modules={cfg.target_modules!r} on {model_name}: {e}; its linear "
                          f"modules are {_linear_module_names(model)}") from None
 
 

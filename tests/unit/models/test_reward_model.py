@@ -127,3 +127,44 @@ def test_packed_pairs_score_and_train_as_padded_ones(ray_session, model_dir, pai
         assert m_packed[k] == pytest.approx(m_padded[k], rel=1e-4, abs=1e-6), k
     assert not torch.allclose(after_padded, before, atol=1e-3)  # the step moved the scores ...
     assert torch.allclose(after_packed, after_padded, atol=1e-4)  # ... the same way, packed or not
+
+
+def test_lora_trains_adapters_and_head_and_saves_a_merged_plain_model(ray_session, model_dir, pairs, tmp_path):
+    cluster = RayVirtualCluster(1, cpus_per_worker=1)
+    cfg = _cfg(model_dir, lora={"enabled": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    rm = RewardModel(cluster, cfg, seed=0, name_prefix="rm-lora")
+    try:
+        before = rm.score(pairs)
+        rm.save_checkpoint(str(tmp_path / "ckpt"))
+        first = rm.train_pairs(pairs)
+        m = [rm.train_pairs(pairs) for _ in range(7)][-1]
+        after = rm.score(pairs)
+        rm.save(str(tmp_path / "merged"))
+        rm.load_checkpoint(str(tmp_path / "ckpt"))  # back to the start: adapters, head and optimizer
+        assert torch.allclose(rm.score(pairs), before, atol=1e-6)
+    finally:
+        rm.shutdown()
+        cluster.shutdown()
+    assert m["loss"] < first["loss"] and not torch.allclose(after, before, atol=1e-3)
+    # A plain HF folder: no adapter tensors, the trunk's untargeted weights are the base model's, and
+    # its scores are the trained model's.
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    names = [n for n, _ in merged.named_parameters()]
+    assert not any("lora" in n or "modules_to_save" in n or "base_layer" in n for n in names)
+    base = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert torch.equal(merged.state_dict()[k], base.state_dict()[k]), k
+    assert not torch.equal(merged.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    with torch.no_grad():
+        assert torch.allclose(LastTokenScore(merged)(pairs["input_ids"], pairs["input_lengths"]), after, atol=1e-4)
+
+
+def test_a_lora_target_that_is_not_there_names_the_key(ray_session, model_dir):
+    cluster = RayVirtualCluster(1, cpus_per_worker=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"reward_model.lora.target_modules: \['qq_proj'\] not found"):
+            RewardModel(cluster, _cfg(model_dir, lora={"enabled": True, "target_modules": ["qq_proj"]}),
+                        name_prefix="rm-badlora")
+    finally:
+        cluster.shutdown()
