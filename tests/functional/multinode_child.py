@@ -24,6 +24,7 @@ from nemo_like.algorithms.grpo_run import setup
 from nemo_like.cli import dead_worker
 from nemo_like.config import load_config
 from nemo_like.distributed.ray_cluster import init_ray
+from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny.yaml"
 
@@ -45,6 +46,9 @@ def main(tmp: Path) -> None:
     init_ray(address=cluster.address)  # joined as setup() would; setup() reuses this connection
     named = {n["NodeID"]: sorted(k for k in n["Resources"] if k in ("trainer", "rollout")) for n in ray.nodes()}
     out: dict = {"named": named}
+    # A tiny untrained model of the default's shape: what runs where is the point here, not what it learns.
+    model = tmp / "model"
+    build_tiny_llama(build_char_tokenizer(model), hidden_size=32, num_layers=1, num_heads=4, seed=0, save_dir=model)
     try:
         cfg = load_config(CONFIG, [
             "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
@@ -52,14 +56,12 @@ def main(tmp: Path) -> None:
             "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8",
             "policy.generation_batch_size=16", "policy.sequence_packing.enabled=false",
             "policy.generation.colocated=false", "data.train.generator.num_samples=40",
-            "data.validation.generator.num_samples=8", "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
-            "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=8",
-            "bootstrap.num_workers=2", f"bootstrap.cache_dir={tmp / 'cache'}", f"logger.log_dir={tmp / 'logs'}",
+            "data.validation.generator.num_samples=8", f"policy.model_name={model}", f"logger.log_dir={tmp / 'logs'}",
             "logger.tensorboard_enabled=false", f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
             "checkpointing.save_period=1", "checkpointing.metric_name=null",
             "cluster.num_workers=2", "cluster.cpus_per_worker=1",
-            # Weight decay moves the weights every step even where all rewards tie (zero advantages), so
-            # the weights of each checkpoint differ and the resume check can tell them apart.
+            # Weight decay moves the weights every step even where all rewards tie (an untrained model
+            # scores 0 everywhere), so each checkpoint's weights differ and the resume check can tell them apart.
             "policy.optimizer.weight_decay=0.5",
             "++cluster.resource_pools.trainer.nodes=2", "++cluster.resource_pools.trainer.cpus_per_node=1",
             "++cluster.resource_pools.trainer.node_resource=trainer", "++cluster.resource_pools.gen.cpus_per_node=1",

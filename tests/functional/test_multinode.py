@@ -1,7 +1,6 @@
 """More than one Ray node: a three-node cluster on this machine (ray.cluster_utils.Cluster, one CPU a
 node, two of them named `trainer`, one `rollout`), the tiny default joining it with its roles on pools:
-the policy's two FSDP workers (and the bootstrap's two SFT workers) on the trainer nodes, gloo between
-them, the rollout worker on the third. The rollout node's raylet is then killed mid-run: the run stops
+the policy's two FSDP workers on the trainer nodes, gloo between them, the rollout worker on the third. The rollout node's raylet is then killed mid-run: the run stops
 with one line naming the dead worker, and resumes from its last checkpoint once the node is back.
 In a process of its own: the test session's Ray is a one-node cluster."""
 

@@ -14,7 +14,7 @@ from nemo_like.models.reward_model import load_reward_model
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
 
-def test_one_step_with_a_reward_model_of_another_tokenizer(ray_session, tmp_path, model_dir):
+def test_one_step_with_a_reward_model_of_another_tokenizer(ray_session, tmp_path, model_dir, base_model_cache):
     from transformers import AutoTokenizer
 
     rm_dir = tmp_path / "rm"
@@ -27,7 +27,7 @@ def test_one_step_with_a_reward_model_of_another_tokenizer(ray_session, tmp_path
         "data.train.generator.num_samples=40", "data.validation.generator.num_samples=8",
         "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1", "bootstrap.sft.num_steps=2",
         "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16", "bootstrap.num_workers=1",
-        f"bootstrap.cache_dir={tmp_path / 'cache'}", f"logger.log_dir={tmp_path / 'logs'}",
+        f"bootstrap.cache_dir={base_model_cache}", f"logger.log_dir={tmp_path / 'logs'}",
         "logger.tensorboard_enabled=false", "checkpointing.enabled=false",
         f"reward_model.model_name={rm_dir}", "reward_model.weight=1.0", "cluster.num_cpus=null"])
     trainer = setup(cfg)

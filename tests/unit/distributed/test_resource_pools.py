@@ -124,7 +124,7 @@ def test_a_pool_that_cannot_be_reserved_beside_another_says_which(ray_session):
         first.shutdown()
 
 
-def _grpo_step_with_a_reward_model(tmp_path, rm_dir, pools: list[str]) -> tuple[dict, str, str, list[str]]:
+def _grpo_step_with_a_reward_model(tmp_path, cache, rm_dir, pools: list[str]) -> tuple[dict, str, str, list[str]]:
     from nemo_like.algorithms.grpo_run import setup
 
     cfg = _cfg(
@@ -134,7 +134,7 @@ def _grpo_step_with_a_reward_model(tmp_path, rm_dir, pools: list[str]) -> tuple[
         "policy.generation_batch_size=16", "data.train.generator.num_samples=40",
         "data.validation.generator.num_samples=8", "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
         "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
-        "bootstrap.num_workers=1", f"bootstrap.cache_dir={tmp_path / 'cache'}", "logger.tensorboard_enabled=false",
+        "bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}", "logger.tensorboard_enabled=false",
         f"logger.log_dir={tmp_path / ('logs' + str(len(pools)))}", "checkpointing.enabled=false",
         f"reward_model.model_name={rm_dir}", "reward_model.weight=1.0",
         *[f"++cluster.resource_pools.{p}.cpus_per_node=2" for p in pools],
@@ -154,7 +154,7 @@ def trainer_pgs(trainer) -> list[str]:
             trainer.rm_scorer.rm.worker_group.cluster.placement_group.id.hex()]
 
 
-def test_a_two_pool_run_makes_the_same_update_as_the_one_pool_run(ray_session, tmp_path, model_dir):
+def test_a_two_pool_run_makes_the_same_update_as_the_one_pool_run(ray_session, tmp_path, model_dir, base_model_cache):
     from transformers import AutoTokenizer
 
     from nemo_like.models.reward_model import load_reward_model
@@ -162,8 +162,8 @@ def test_a_two_pool_run_makes_the_same_update_as_the_one_pool_run(ray_session, t
     rm_dir = tmp_path / "rm"
     load_reward_model(model_dir).save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(rm_dir)
-    one, before1, after1, pgs1 = _grpo_step_with_a_reward_model(tmp_path, rm_dir, ["main"])
-    two, before2, after2, pgs2 = _grpo_step_with_a_reward_model(tmp_path, rm_dir, ["train", "scorer"])
+    one, before1, after1, pgs1 = _grpo_step_with_a_reward_model(tmp_path, base_model_cache, rm_dir, ["main"])
+    two, before2, after2, pgs2 = _grpo_step_with_a_reward_model(tmp_path, base_model_cache, rm_dir, ["train", "scorer"])
     assert pgs1[0] == pgs1[1] and pgs2[0] != pgs2[1]  # one pool shared, then one pool a role
     assert before1 == before2 and after1 != before1  # the same start, and the step moved the weights
     assert after2 == after1  # ... to the same weights
