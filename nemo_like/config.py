@@ -269,7 +269,8 @@ class MasterConfig(UserImports):
                 "reference": self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.kl_in_reward.enabled,
                 "critic": self.critic is not None, "reward_model": self.reward_model is not None}
         needs_gpu = {"policy": "policy.backend=megatron"} if self.policy.backend == "megatron" else {}
-        self.cluster.check_roles(used, needs_gpu)
+        self.cluster.check_roles(used, needs_gpu, concurrent_generation=self.grpo.async_rollouts.enabled,
+                                 collective_refit=self.policy.generation.refit_transport == "collective")
 
     def _check_async(self) -> None:
         a = self.grpo.async_rollouts

@@ -254,10 +254,13 @@ class ClusterConfig(_Strict):
         """The section that sizes ``role``'s worker group (num_workers, and without pools its CPUs/GPUs)."""
         return self if role in ("policy", "reference") else getattr(self, role)
 
-    def check_roles(self, used: dict[str, bool], needs_gpu: dict[str, str]) -> None:
+    def check_roles(self, used: dict[str, bool], needs_gpu: dict[str, str], *, concurrent_generation: bool = False,
+                    collective_refit: bool = False) -> None:
         """With pools: every role the run has (``used``) on one, none it lacks, the reference model on
         the policy's pool, worker counts that spread evenly over a pool's nodes, GPUs where a role needs
-        them (``needs_gpu``: role -> why). Raises ValueError naming the key."""
+        them (``needs_gpu``: role -> why), and no sharing that cannot work: rollout workers that generate
+        while the policy trains (``concurrent_generation``, async GRPO) or that join the policy in an NCCL
+        group (``collective_refit``) on the policy's GPUs. Raises ValueError naming the key."""
         if not self.resource_pools:
             return
         needs_gpu = dict(needs_gpu)
@@ -302,6 +305,17 @@ class ClusterConfig(_Strict):
             if "gpus_per_worker" in section.model_fields_set and section.gpus_per_worker != gpus:
                 raise ValueError(f"{key}.gpus_per_worker={section.gpus_per_worker:g}: on pool {pool_name!r} each "
                                  f"{role} worker gets {gpus} GPU; remove the key")
+
+        gen, pol = self.roles.get("generation"), self.roles.get("policy")
+        if used.get("generation") and gen is not None and gen == pol:
+            if concurrent_generation:  # time-slicing needs one phase at a time
+                raise ValueError(f"cluster.roles.generation={gen!r}: with grpo.async_rollouts the rollout workers "
+                                 "generate while the policy trains, so they cannot share the policy's pool; put "
+                                 "generation on a pool of its own")
+            if collective_refit and self.resource_pools[gen].gpus_per_node:
+                raise ValueError(f"policy.generation.refit_transport=collective: the policy and the rollout workers "
+                                 f"share the GPUs of pool {gen!r}, and NCCL will not join two ranks on one GPU; use "
+                                 "refit_transport=object_store or put generation on a pool of its own")
 
     def pool_sharing(self) -> dict[str, list[str]]:
         """Pool name -> the roles on it that have workers of their own (the reference model has none)."""

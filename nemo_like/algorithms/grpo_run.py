@@ -125,7 +125,9 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         except PlacementError as e:
             raise ConfigError(str(e)) from None
         resources.append(plan.shutdown)
-        print("[nemo_like] placement (role -> pool -> nodes):\n" + "\n".join(f"  {line}" for line in plan.describe()))
+        print("[nemo_like] placement (role -> pool -> nodes):\n" + "\n".join(
+            f"  {line}" for line in plan.describe(reference=cfg.loss_fn.reference_policy_kl_penalty > 0
+                                                  or cfg.grpo.kl_in_reward.enabled)))
 
         train_ds = build_task_dataset(train_cfgs, train_rows, tokenizer, max_in)
         val_ds = build_task_dataset(val_cfgs, val_rows, tokenizer, max_in) if val_rows else None

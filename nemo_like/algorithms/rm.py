@@ -22,7 +22,7 @@ from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.reward_model import RewardModelConfig
-from nemo_like.utils.checkpoint import CheckpointingConfig, CheckpointManager, training_info
+from nemo_like.utils.checkpoint import CheckpointError, CheckpointingConfig, CheckpointManager, ranked_training_info
 from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, LoggerConfig
 
@@ -184,19 +184,25 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
         rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
         latest = ckpt.open_for_run() if ckpt is not None else None
+        batches = _batches(len(train_pairs), gbs, cfg.trainer)
+        # What fixes the order of the batches: a resumed run must go on with the same ones.
+        plan = {"pairs": len(train_pairs), "train_global_batch_size": gbs, "seed": cfg.trainer.seed}
         if latest is not None:
             state = load_train_state(latest)
+            start, first, last, last_val = int(state["step"]), state["first"], state["last"], int(state["last_val"])
+            if state["plan"] != plan or start > len(batches):
+                raise CheckpointError(f"{latest} was saved by a run with {state['plan']} at step {start}; this run has "
+                                      f"{plan} and {len(batches)} steps: it cannot go on from there. Use another "
+                                      "checkpointing.checkpoint_dir, or the settings it was saved with")
             rm.load_checkpoint(str(latest / "reward_model"))
-            start, first, last = int(state["step"]), state["first"], state["last"]
             logger.keep_steps_up_to(start)  # rows the interrupted run logged after its checkpoint
             print(f"[nemo_like] resumed from {latest} at step {start}")
         else:
             logger.set_aside_previous_rows()  # an earlier run's rows in the same log_dir are kept apart
-            start, first = 0, evaluate(rm, val)
+            start, last_val, first = 0, 0, evaluate(rm, val)
             last = first
             logger.log_metrics(first, step=0)
         logger.log_hyperparams(cfg)
-        batches = _batches(len(train_pairs), gbs, cfg.trainer)
         t0 = time.perf_counter()
         for step, (epoch, pairs) in enumerate(batches, start=1):
             if step <= start:  # trained before the checkpoint
@@ -209,13 +215,15 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
             # Held-out pairs every val_period steps and after the last step (inside the loop, so that
             # the last checkpoint holds the final scores and a resumed finished run adds no row).
             if (cfg.trainer.val_period and step % cfg.trainer.val_period == 0) or step == len(batches):
-                last = evaluate(rm, val)
+                last, last_val = evaluate(rm, val), step
                 m |= last
             logger.log_metrics(m, step=step)
             if ckpt is not None and ckpt.should_save(step, is_last_step=step == len(batches)):
-                tmp = ckpt.init_tmp_checkpoint(step, training_info(step, last))
+                # Ranked by held-out scores of its own weights only (none if this step was not evaluated).
+                tmp = ckpt.init_tmp_checkpoint(step, ranked_training_info(step, last, last_val))
                 rm.save_checkpoint(str(tmp / "reward_model"))
-                save_train_state(tmp, {"step": step, "first": first, "last": last})
+                save_train_state(tmp, {"step": step, "first": first, "last": last, "last_val": last_val,
+                                       "plan": plan})
                 ckpt.finalize_checkpoint(tmp)
         out = Path(cfg.output_dir)
         rm.save(str(out))

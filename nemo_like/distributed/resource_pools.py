@@ -40,7 +40,9 @@ class ResourcePool:
     def __init__(self, name: str, cfg: ResourcePoolConfig, ready_timeout_s: float = 60.0) -> None:
         self.name, self.cfg = name, cfg
         self.slots = max(1, cfg.gpus_per_node)
-        bundle: dict[str, float] = {"CPU": cfg.cpus_per_node / self.slots}
+        # Rounded down at Ray's resource precision (1e-4; it rounds to nearest): slots x share must not
+        # come to more than the node has (2 CPUs over 3 GPU slots: 0.6666, not 0.6667).
+        bundle: dict[str, float] = {"CPU": int(cfg.cpus_per_node / self.slots * 1e4) / 1e4}
         if cfg.gpus_per_node:
             bundle["GPU"] = 1.0
         if cfg.node_resource:
@@ -51,19 +53,29 @@ class ResourcePool:
         strategy = "STRICT_PACK" if cfg.nodes == 1 else "STRICT_SPREAD" if self.slots == 1 else "PACK"
         self._pg: PlacementGroup | None = placement_group([dict(bundle) for _ in range(cfg.nodes * self.slots)],
                                                           strategy=strategy, name=f"pool-{name}")
-        if not self._pg.wait(timeout_seconds=ready_timeout_s):
+        try:
+            self._place(ready_timeout_s)
+        except BaseException:  # an interrupted or failed wait must not leave the group holding the room
             self.shutdown()
+            raise
+
+    def _place(self, ready_timeout_s: float) -> None:
+        cfg, n = self.cfg, self.cfg.nodes * self.slots
+        if not self.placement_group.wait(timeout_seconds=ready_timeout_s):
             raise PlacementError(
-                f"cluster.resource_pools.{name}: could not reserve {cfg.nodes} node(s) x {_fmt(bundle, self.slots)} "
-                f"within {ready_timeout_s:g}s (other pools or actors hold the room); nodes: {_free_nodes()}")
-        table = ray.util.placement_group_table(self._pg)["bundles_to_node_id"]
-        self.bundle_nodes = [table[i] for i in range(cfg.nodes * self.slots)]
-        per_node = {n: self.bundle_nodes.count(n) for n in self.bundle_nodes}
+                f"cluster.resource_pools.{self.name}: could not reserve {cfg.nodes} node(s) x "
+                f"{_fmt(self.bundle, self.slots)} within {ready_timeout_s:g}s (other pools or actors hold the room); "
+                f"nodes: {_free_nodes()}")
+        table = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"]
+        self.bundle_nodes = [table[i] for i in range(n)]
+        per_node = {node: self.bundle_nodes.count(node) for node in self.bundle_nodes}
         if len(per_node) != cfg.nodes or set(per_node.values()) != {self.slots}:
-            self.shutdown()
-            raise PlacementError(f"cluster.resource_pools.{name}: Ray placed its {cfg.nodes * self.slots} GPU slots "
+            raise PlacementError(f"cluster.resource_pools.{self.name}: Ray placed its {n} GPU slots "
                                  f"{sorted(per_node.values())} a node, not {self.slots} on each of {cfg.nodes} nodes; "
                                  "use nodes whose GPUs the pool takes whole (gpus_per_node = the node's GPUs)")
+        # Bundles in node order (PACK may interleave nodes): a role's ranks on one node are consecutive.
+        first = {node: i for i, node in reversed(list(enumerate(self.bundle_nodes)))}
+        self.bundles_by_node = sorted(range(n), key=lambda i: (first[self.bundle_nodes[i]], i))
 
     @property
     def placement_group(self) -> PlacementGroup:
@@ -95,7 +107,7 @@ class RolePlacement:
         return self.pool.placement_group
 
     def bundle_index(self, rank: int) -> int:
-        return rank // self._per_bundle
+        return self.pool.bundles_by_node[rank // self._per_bundle]
 
     def bundle_node_ids(self) -> list[str]:
         """Node id hosting each rank, in rank order."""
@@ -120,8 +132,9 @@ class RolePlan:
     def get(self, role: str) -> Placement | None:
         return self.placements.get(role)
 
-    def describe(self) -> list[str]:
-        """One line a role: role -> pool (its shape) -> the nodes its ranks run on."""
+    def describe(self, reference: bool = False) -> list[str]:
+        """One line a role: role -> pool (its shape) -> the nodes its ranks run on; ``reference``: the
+        run has a reference model, which lives in the policy's workers."""
         info = {n["NodeID"]: n for n in ray.nodes()}
         lines = []
         for role, p in self.placements.items():
@@ -130,11 +143,11 @@ class RolePlan:
                 others = [r for r in self._cluster.pool_sharing()[p.pool.name] if r != role]
                 where = (f"pool {p.pool.name!r} ({c.nodes} node(s) x {_fmt(p.pool.bundle, p.pool.slots)}"
                          + (f", shared with {', '.join(others)}" if others else "") + ")")
-                if role == "policy" and "reference" in self._cluster.roles:
-                    role = "policy+reference"
             else:
                 res = {"CPU": p.cpus_per_worker} | ({"GPU": p.gpus_per_worker} if p.gpus_per_worker else {})
                 where = f"own group ({p.num_workers} x {_fmt(res, 1)})"
+            if role == "policy" and reference:
+                role = "policy+reference"
             ranks: dict[str, list[int]] = {}
             for r, node in enumerate(p.bundle_node_ids()):
                 ranks.setdefault(node, []).append(r)

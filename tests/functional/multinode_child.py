@@ -73,9 +73,11 @@ def main(tmp: Path) -> None:
         out["plan"] = [line for line in printed.getvalue().splitlines() if " -> " in line]
         out["actors"] = actor_nodes()
         try:
-            trainer.step()
-            checksums = {trainer.step_count: trainer.policy.weights_checksum()}
-            # The rollout node's raylet goes while step 2 runs (generation starts it); its worker goes with it.
+            checksums = {}
+            for _ in range(2):  # two checkpoints whose weights differ, before anything goes wrong
+                trainer.step()
+                checksums[trainer.step_count] = trainer.policy.weights_checksum()
+            # The rollout node's raylet goes while step 3 runs (generation starts it); its worker goes with it.
             killer = threading.Timer(0.3, cluster.remove_node, args=(gen_node,), kwargs={"allow_graceful": False})
             killer.start()
             t0 = time.monotonic()

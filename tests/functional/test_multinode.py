@@ -34,10 +34,11 @@ def test_roles_on_pools_of_a_three_node_cluster_and_a_lost_node(tmp_path):
     assert out["plan"][2].startswith(f"  generation -> pool 'gen' (1 node(s) x 1 CPU) -> node {rollout_node[:8]} ")
     # The lost node stops the run with the CLI's one line, naming the worker that was on it...
     assert out["stopped"] is not None and out["stopped"].startswith("a RolloutWorker (rollout-0-"), out["stopped"]
-    assert ", the generation role) died with its node " in out["stopped"] and out["seconds_to_stop"] < 60
+    assert out["stopped"].endswith(f", the generation role) died with its node {rollout_node[:8]}")
+    assert out["seconds_to_stop"] < 60
     # ... and with the node back the run resumes from its last checkpoint, with that checkpoint's weights.
     last = out["last_checkpoint"]
-    assert 1 < last < 12 and out["resumed_at"] == last
+    assert 2 <= last < 12 and out["resumed_at"] == last
     assert out["resumed_line"] and out["resumed_line"][0].endswith(f"step_{last} at step {last}")
     checksums = out["checksums"]
     assert len(set(checksums.values())) == len(checksums)  # every step's weights differ: the check can fail

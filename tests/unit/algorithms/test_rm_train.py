@@ -9,11 +9,12 @@ import json
 import pytest
 
 from nemo_like.algorithms.rm import RMConfig, train_reward_model
+from nemo_like.utils.checkpoint import CheckpointError
 
 
-def _cfg(model_dir, tmp_path, name: str, **trainer) -> RMConfig:
+def _cfg(model_dir, tmp_path, name: str, gbs: int = 16, **trainer) -> RMConfig:
     return RMConfig.model_validate({
-        "reward_model": {"model_name": model_dir, "train_global_batch_size": 16, "train_micro_batch_size": 16,
+        "reward_model": {"model_name": model_dir, "train_global_batch_size": gbs, "train_micro_batch_size": gbs,
                          "optimizer": {"lr": 3e-3}},
         "data": {"math_pairs": {"num_train": 64, "num_validation": 32}, "max_length": 40},
         "trainer": {"num_epochs": 2, "val_period": 3} | trainer,
@@ -38,3 +39,6 @@ def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_model(ray_session
     assert train_steps == list(range(1, 9))
     again = train_reward_model(_cfg(model_dir, tmp_path, "cut"))  # a finished run resumes at its end
     assert again["resumed_at"] == 8 and again["last"] == resumed["last"]
+    # Other batches than the checkpoint's run drew: refused, naming what differs, not silently mixed.
+    with pytest.raises(CheckpointError, match=r"'train_global_batch_size': 16.*'train_global_batch_size': 8"):
+        train_reward_model(_cfg(model_dir, tmp_path, "cut", gbs=8))
