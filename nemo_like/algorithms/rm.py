@@ -153,6 +153,17 @@ def _batches(n_pairs: int, gbs: int, cfg: RMTrainerConfig) -> list[tuple[int, li
     return out[:cfg.max_steps] if cfg.max_steps else out
 
 
+def _resumable(path: Path, plan: dict[str, int], steps: int) -> dict[str, Any]:
+    """The checkpoint's train state, if this run can go on from it: the same batches (``plan``) and
+    no further than this run's ``steps``; else CheckpointError naming both."""
+    state = load_train_state(path)
+    if state["plan"] != plan or state["step"] > steps:
+        raise CheckpointError(f"{path} was saved by a run with {state['plan']} at step {state['step']}; this run has "
+                              f"{plan} and {steps} steps: it cannot go on from there. Use another "
+                              "checkpointing.checkpoint_dir, or the settings it was saved with")
+    return state
+
+
 def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     """The whole run; returns the final held-out metrics, the steps and the saved folder."""
     from transformers import AutoTokenizer
@@ -165,10 +176,14 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     if len(train_pairs) < gbs:
         raise DataError(f"{len(train_pairs)} training pairs are fewer than one global batch "
                         f"(reward_model.train_global_batch_size={gbs})")
-    # So is a checkpoint_dir of another run, in use by a live one, or with only damaged checkpoints.
+    batches = _batches(len(train_pairs), gbs, cfg.trainer)
+    # What fixes the order of the batches: a resumed run must go on with the same ones.
+    plan = {"pairs": len(train_pairs), "train_global_batch_size": gbs, "seed": cfg.trainer.seed}
+    # So is a checkpoint_dir of another run, in use by a live one, with only damaged checkpoints, or
+    # with a checkpoint this run cannot go on from.
     ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
-    if ckpt is not None:
-        ckpt.preflight()
+    if ckpt is not None and (found := ckpt.preflight()) is not None:
+        _resumable(found, plan, len(batches))
     started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
     cluster = rm = logger = None
     try:
@@ -183,17 +198,10 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
                                     name="reward_model")
         rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
-        latest = ckpt.open_for_run() if ckpt is not None else None
-        batches = _batches(len(train_pairs), gbs, cfg.trainer)
-        # What fixes the order of the batches: a resumed run must go on with the same ones.
-        plan = {"pairs": len(train_pairs), "train_global_batch_size": gbs, "seed": cfg.trainer.seed}
+        latest = ckpt.open_for_run() if ckpt is not None else None  # the one preflight checked
         if latest is not None:
-            state = load_train_state(latest)
+            state = _resumable(latest, plan, len(batches))
             start, first, last, last_val = int(state["step"]), state["first"], state["last"], int(state["last_val"])
-            if state["plan"] != plan or start > len(batches):
-                raise CheckpointError(f"{latest} was saved by a run with {state['plan']} at step {start}; this run has "
-                                      f"{plan} and {len(batches)} steps: it cannot go on from there. Use another "
-                                      "checkpointing.checkpoint_dir, or the settings it was saved with")
             rm.load_checkpoint(str(latest / "reward_model"))
             logger.keep_steps_up_to(start)  # rows the interrupted run logged after its checkpoint
             print(f"[nemo_like] resumed from {latest} at step {start}")
