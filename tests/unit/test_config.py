@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,25 @@ def test_apply_overrides_force_adds_nested():
     assert apply_overrides({"a": {}}, ["++a.b.c=[1, 2]"]) == {"a": {"b": {"c": [1, 2]}}}
 
 
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """examples/run_grpo_math.py's main(argv), run in this process from tmp_path: (exit code, stderr).
+    Each case fails before Ray or a worker starts, so no process is needed (see the test below)."""
+    import ray
+
+    main = runpy.run_path(str(ROOT / "examples" / "run_grpo_math.py"))["main"]
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        ray_was_up = ray.is_initialized()  # (a full run's session Ray may be up already)
+        code = main(list(args))
+        assert ray.is_initialized() == ray_was_up  # it stopped at the config: no Ray of its own
+        return code, capsys.readouterr().err
+
+    return run
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -113,22 +133,31 @@ def test_apply_overrides_force_adds_nested():
         (["loss_fn.policy_loss=soft_clip"], "loss_fn.policy_loss: unknown policy loss 'soft_clip'"),
     ],
 )
-def test_cli_exits_2_with_one_line(args, message, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), *args,
+def test_cli_exits_2_with_one_line(args, message, tmp_path, cli):
+    code, err = cli(*args, f"logger.log_dir={tmp_path}")
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_the_cli_script_as_a_process_exits_2_with_one_line(tmp_path):
+    # The cases above call the script's main() in this process (a fresh interpreter importing torch
+    # cost ~2.7 s a case); this one runs the script itself: sys.exit carries main's code out, and
+    # nothing else the process imports writes to stderr.
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), "grpo.max_num_step=3",
                            f"logger.log_dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "grpo.max_num_step: unknown config key (did you mean grpo.max_num_steps?)" in lines[0], proc.stderr
 
 
-def test_cli_malformed_jsonl_names_line(tmp_path):
+def test_cli_malformed_jsonl_names_line(tmp_path, cli):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"problem": "1+1=", "expected_answer": "2"}\n{"problem": oops}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), f"data.train.path={rows}",
-                           "++data.train.generator=null", f"logger.log_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert f"{rows}:2: invalid JSON" in proc.stderr
+    code, err = cli(f"data.train.path={rows}", "++data.train.generator=null", f"logger.log_dir={tmp_path}")
+    assert code == 2
+    assert f"{rows}:2: invalid JSON" in err
 
 
 @pytest.fixture
@@ -202,14 +231,12 @@ def test_your_own_model_turns_the_bootstrap_off_out_loud(tmp_path, capsys):
         load_config(TINY, ["bootstrap.enabled=false"])
 
 
-def test_own_model_on_the_cli_trains_that_model_not_the_tiny_one(tmp_path):
+def test_own_model_on_the_cli_trains_that_model_not_the_tiny_one(tmp_path, cli):
     # A missing model folder now fails as that folder (before Ray), proving the bootstrap did not replace it.
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"),
-                           f"policy.model_name={tmp_path / 'nope'}", f"logger.log_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert "bootstrap.enabled set to false" in proc.stderr
-    assert f"error: invalid config: policy.model_name: {tmp_path / 'nope'}" in proc.stderr
+    code, err = cli(f"policy.model_name={tmp_path / 'nope'}", f"logger.log_dir={tmp_path}")
+    assert code == 2, err
+    assert "bootstrap.enabled set to false" in err
+    assert f"error: invalid config: policy.model_name: {tmp_path / 'nope'}" in err
 
 
 def test_own_model_wins_in_a_config_built_from_objects(tmp_path, capsys):
