@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 
 from nemo_like import GRPOExperiment
 from nemo_like.environments import registry
+from nemo_like.environments.interfaces import EnvironmentInterface
 from nemo_like.environments.math_environment import MathEnvConfig, MathEnvironment
 from nemo_like.environments.supervision import EnvironmentStartError
 
@@ -24,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 
 
-def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
+def _overrides(tmp: Path, model: str, *extra: str) -> list[str]:
+    """``model``: ``policy.model_name=<model_dir>`` (the untrained tiny model: these runs check what
+    happens to grading, not what is learned, so no base model is bootstrapped) or a bootstrap.cache_dir."""
     return [
         "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
         "grpo.max_num_steps=3",
@@ -34,16 +34,11 @@ def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
         "data.train.generator.num_samples=50", "data.validation.generator.num_samples=4",
         "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
         "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
-        "bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}",
+        "bootstrap.num_workers=1", model,
         f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.enabled=false",
         *extra,
     ]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("base_cache")
 
 
 @pytest.fixture
@@ -85,13 +80,13 @@ def _live_actors() -> int:
     return sum(1 for a in actors().values() if a["State"] != "DEAD")
 
 
-def test_environment_that_cannot_start_fails_setup_naming_it(ray_session, tmp_path, cache, own_registry):
+def test_environment_that_cannot_start_fails_setup_naming_it(ray_session, tmp_path, own_registry):
     registry.register_env("math", FailsToStart, overwrite=True)
     before = _live_actors()
     t0 = time.monotonic()
     fresh = tmp_path / "fresh_cache"  # no base model built yet
     with pytest.raises(EnvironmentStartError) as info:
-        GRPOExperiment(str(CONFIG), _overrides(tmp_path, fresh))
+        GRPOExperiment(str(CONFIG), _overrides(tmp_path, f"bootstrap.cache_dir={fresh}"))
     assert str(info.value) == ("environment 'math' (task 'math') failed to start: "
                                "RuntimeError: the grading service is unreachable")
     assert time.monotonic() - t0 < 120  # at setup, not after a run of zero rewards
@@ -104,9 +99,10 @@ def test_environment_that_cannot_start_fails_setup_naming_it(ray_session, tmp_pa
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["turn-by-turn", "streamed"])
-def test_hung_grader_is_cut_off_and_the_run_goes_on(ray_session, tmp_path, cache, own_registry, stream):
+def test_hung_grader_is_cut_off_and_the_run_goes_on(ray_session, tmp_path, model_dir, own_registry, stream):
     registry.register_env("math", HangsOnce, overwrite=True)
-    with GRPOExperiment(str(CONFIG), _overrides(tmp_path, cache, "++env.math.step_timeout_s=3", "grpo.max_num_steps=2",
+    model = f"policy.model_name={model_dir}"
+    with GRPOExperiment(str(CONFIG), _overrides(tmp_path, model, "++env.math.step_timeout_s=3", "grpo.max_num_steps=2",
                                                  f"++env.math.hang_marker={tmp_path / 'hung'}",
                                                  f"policy.generation.stream_episodes={str(stream).lower()}")) as exp:
         assert exp.trainer.generator.streams_episodes() is stream
@@ -124,13 +120,6 @@ def test_hung_grader_is_cut_off_and_the_run_goes_on(ray_session, tmp_path, cache
         assert "train/env/math/step_timeouts" not in second and second["train/unscorable_frac"] == 0.0
 
 
-SCRIPT = """
-import sys
-from nemo_like.cli import run_cli, run_grpo
-from nemo_like.environments.interfaces import EnvironmentInterface
-from nemo_like.environments.registry import register_env
-
-
 class Down(EnvironmentInterface):
     def __init__(self, config=None):
         pass
@@ -139,21 +128,18 @@ class Down(EnvironmentInterface):
         raise ConnectionError("grader service down")
 
 
-register_env("math", Down, overwrite=True)
-sys.exit(run_cli(sys.argv[1:], {config!r}, run_grpo))
-"""
+def test_run_whose_grading_keeps_failing_exits_1_naming_the_task_and_error(ray_session, tmp_path, model_dir,
+                                                                           own_registry, capsys):
+    from nemo_like.cli import run_cli, run_grpo
 
-
-def test_run_whose_grading_keeps_failing_exits_1_naming_the_task_and_error(tmp_path, cache):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(config=str(CONFIG))))
-    env = dict(os.environ, RAY_ADDRESS="")  # its own local Ray, as a user's script would start
-    env.pop("RAY_ADDRESS")
-    proc = subprocess.run([sys.executable, str(script), *_overrides(tmp_path, cache, "grpo.max_num_steps=10",
-                                                                     "grpo.max_consecutive_env_failures=2")],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    # What a user's script does (register the environment, then the CLI's run_cli), in this process on
+    # the session's Ray: a script of its own started a second Ray and took ~30 s.
+    registry.register_env("math", Down, overwrite=True)
+    code = run_cli(_overrides(tmp_path, f"policy.model_name={model_dir}", "grpo.max_num_steps=10",
+                              "grpo.max_consecutive_env_failures=2"), str(CONFIG), run_grpo)
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == ["error: task 'math': grading failed for every sample in 2 consecutive steps "
                       "(grpo.max_consecutive_env_failures=2); first error: ConnectionError: grader service down"]
     # It stopped at the second step: one step was trained (on nothing: every sample unscorable).
