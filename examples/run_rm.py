@@ -20,8 +20,9 @@ def run(config) -> int:
     r = train_reward_model(config)
     first, last = r["first"], r["last"]
     print(f"[nemo_like] held-out pair accuracy {first['val/pair_accuracy']:.1%} -> {last['val/pair_accuracy']:.1%} "
-          f"({r['val_pairs']} pairs), margin {first['val/margin']:.3f} -> {last['val/margin']:.3f}; {r['steps']} steps "
-          f"on {r['train_pairs']} pairs in {r['seconds']:.0f} s; saved to {r['output_dir']}")
+          f"({r['val_pairs']} pairs), margin {first['val/margin']:.3f} -> {last['val/margin']:.3f}; "
+          + (f"steps {r['resumed_at'] + 1}-{r['steps']} after resuming at step {r['resumed_at']}" if r["resumed_at"]
+             else f"{r['steps']} steps") + f" on {r['train_pairs']} pairs in {r['seconds']:.0f} s; saved to {r['output_dir']}")
     if r["truncated_pairs"]:
         print(f"[nemo_like] {r['truncated_pairs']} pairs had a side cut to data.max_length tokens")
     return 0
