@@ -22,16 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 
 
-def _config(tmp: Path, cache: Path, *extra: str):
+def _config(tmp: Path, model_dir: str, *extra: str):
     return load_config(CONFIG, [
         "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
         "grpo.max_num_steps=20", "grpo.val_period=0",
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=8", "policy.generation_batch_size=8", "policy.generation.max_new_tokens=8",
         "data.train.generator.num_samples=60", "data.validation.generator.num_samples=4",
-        "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
-        "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
-        "bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}",
+        # The untrained tiny model, no bootstrap (~6 s): lag bounds, resume, retries and grading are
+        # mechanics; none of them asks what the model learned.
+        f"policy.model_name={model_dir}",
         f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=2",
         # Async GRPO: one rollout worker beside the one training worker.
@@ -40,11 +40,6 @@ def _config(tmp: Path, cache: Path, *extra: str):
         "cluster.cpus_per_worker=1", "cluster.generation.cpus_per_worker=0.5",
         *extra,
     ])
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("base_cache")
 
 
 class SlowerMath(MathEnvironment):
@@ -65,10 +60,10 @@ class SlowMath(MathEnvironment):
 
 @pytest.mark.parametrize("bound", [0, 1])
 def test_no_trained_sample_lags_past_the_bound_with_slow_trainer_and_slow_environment(ray_session, tmp_path,
-                                                                                        cache, bound):
+                                                                                        model_dir, bound):
     with registry.ENV_REGISTRY.isolated():
         registry.register_env("math", SlowMath, overwrite=True)
-        trainer = setup(_config(tmp_path, cache, f"grpo.async_rollouts.max_staleness={bound}",
+        trainer = setup(_config(tmp_path, model_dir, f"grpo.async_rollouts.max_staleness={bound}",
                                 "checkpointing.enabled=false"), resume=False)
     try:
         train = trainer.policy.train
@@ -97,11 +92,11 @@ def test_no_trained_sample_lags_past_the_bound_with_slow_trainer_and_slow_enviro
         assert r["train/num_samples"] == 8 and torch.isfinite(torch.tensor(r["train/loss"]))
 
 
-def test_resume_with_batches_in_flight_draws_their_prompts_again(ray_session, tmp_path, cache):
+def test_resume_with_batches_in_flight_draws_their_prompts_again(ray_session, tmp_path, model_dir):
     def prompts(batch) -> list[str]:
         return [log[0]["content"] for log in batch["message_log"]][::4]  # one per group
 
-    cfg = _config(tmp_path, cache, "grpo.async_rollouts.max_staleness=1", "grpo.async_rollouts.buffer_size=3")
+    cfg = _config(tmp_path, model_dir, "grpo.async_rollouts.max_staleness=1", "grpo.async_rollouts.buffer_size=3")
     first = setup(cfg, resume=False)
     seen = []
     try:
@@ -124,10 +119,10 @@ def test_resume_with_batches_in_flight_draws_their_prompts_again(ray_session, tm
         second.close()
 
 
-def test_the_notebook_api_steps_one_optimizer_step_at_a_time_with_async_rollouts(ray_session, tmp_path, cache):
+def test_the_notebook_api_steps_one_optimizer_step_at_a_time_with_async_rollouts(ray_session, tmp_path, model_dir):
     from nemo_like import GRPOExperiment
 
-    cfg = _config(tmp_path, cache, "checkpointing.enabled=false", "grpo.async_rollouts.max_staleness=1")
+    cfg = _config(tmp_path, model_dir, "checkpointing.enabled=false", "grpo.async_rollouts.max_staleness=1")
     with GRPOExperiment(cfg, resume=False) as exp:
         first = exp.step()
         assert exp.step_count == 1 and first["train/staleness_max"] == 0  # nothing older exists yet
@@ -151,13 +146,13 @@ def test_the_notebook_api_steps_one_optimizer_step_at_a_time_with_async_rollouts
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ray_session, tmp_path, cache, mode):
+def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ray_session, tmp_path, model_dir, mode):
     """Ctrl-C (or a worker error) after the batch was drawn and generated, before any weights moved: the
     trainer is where it was before the step, a save in between does not record the prompts as trained,
     and the next step() trains exactly them (it used to raise 'step 0 asked for a batch, but batch 1
     is next' with async rollouts, and to skip the prompts without)."""
     extra = ["grpo.async_rollouts.enabled=false"] if mode == "sync" else []
-    trainer = setup(_config(tmp_path, cache, *extra), resume=False)
+    trainer = setup(_config(tmp_path, model_dir, *extra), resume=False)
     try:
         prepare, calls = trainer.policy.prepare_for_training, []
 
@@ -189,7 +184,7 @@ def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ra
         trainer.close()
 
 
-def test_swapping_an_environment_with_batches_in_flight_loses_no_grading(ray_session, tmp_path, cache):
+def test_swapping_an_environment_with_batches_in_flight_loses_no_grading(ray_session, tmp_path, model_dir):
     """set_env (what add_reward_fn does) while the rollout threads grade ahead with the old actor: the
     old one lives until the trainer has taken those batches, so no step trains on unscorable samples."""
     import ray
@@ -198,7 +193,7 @@ def test_swapping_an_environment_with_batches_in_flight_loses_no_grading(ray_ses
 
     with registry.ENV_REGISTRY.isolated():
         registry.register_env("math", SlowerMath, overwrite=True)
-        trainer = setup(_config(tmp_path, cache, "grpo.async_rollouts.buffer_size=3", "checkpointing.enabled=false"),
+        trainer = setup(_config(tmp_path, model_dir, "grpo.async_rollouts.buffer_size=3", "checkpointing.enabled=false"),
                         resume=False)
         try:
             trainer.step()
