@@ -4,9 +4,6 @@ reward-function actor). The rewards are forced by functions in _nl_reward_helper
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,9 @@ ROOT = HERE.parents[1]
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 
 
-def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
+def _overrides(tmp: Path, cache: Path | None, *extra: str) -> list[str]:
+    """``cache``: this module's bootstrap.cache_dir (a 2-step SFT model), or None where ``extra`` names
+    the model (the untrained tiny one, or the session's shared base model)."""
     return [
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
         "grpo.max_num_steps=10",
@@ -29,7 +28,7 @@ def _overrides(tmp: Path, cache: Path, *extra: str) -> list[str]:
         "data.train.generator.num_samples=200", "data.validation.generator.num_samples=4",
         "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
         "bootstrap.sft.num_steps=2", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
-        "bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}",
+        *([] if cache is None else ["bootstrap.num_workers=1", f"bootstrap.cache_dir={cache}"]),
         f"logger.log_dir={tmp / 'logs'}", "logger.tensorboard_enabled=false",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=100",
         *extra,
@@ -62,8 +61,11 @@ def test_dynamic_sampling_trains_only_groups_with_reward_spread(ray_session, tmp
         assert exp.trainer.sampler.position == 4 * sum(h["train/dynamic_sampling/gen_batches"] for h in exp.trainer.history)
 
 
-def test_advantage_collapse_stops_training_saves_and_survives_resume(ray_session, tmp_path, cache):
-    over = _overrides(tmp_path, cache, "++data.train.reward_fns=[{fn: _nl_reward_helpers.always_zero}]",
+def test_advantage_collapse_stops_training_saves_and_survives_resume(ray_session, tmp_path, model_dir):
+    # Rewards forced to 0: any model collapses, so the untrained tiny one (no bootstrap: this module's
+    # base models are keyed by their reward_fns, and this one would be built for this test alone).
+    over = _overrides(tmp_path, None, f"policy.model_name={model_dir}",
+                      "++data.train.reward_fns=[{fn: _nl_reward_helpers.always_zero}]",
                       "grpo.stop_on_collapse.patience=3")
     with GRPOExperiment(str(CONFIG), over) as exp:
         exp.train(steps=2)
@@ -78,25 +80,31 @@ def test_advantage_collapse_stops_training_saves_and_survives_resume(ray_session
         assert (tmp_path / "ckpt" / "step_3").is_dir()  # saved at the stop, off the save_period
 
 
-def test_generation_collapse_exits_3_with_one_line(tmp_path, cache):
-    over = _overrides(tmp_path, cache, "++data.train.reward_fns=[{fn: _nl_reward_helpers.always_zero}]",
+def test_generation_collapse_exits_3_with_one_line(ray_session, tmp_path, base_model_cache, capsys, monkeypatch):
+    from nemo_like.cli import run_cli, run_grpo
+
+    # A trained model, so that its one token is never the end of turn (truncation rate exactly 1.00).
+    # One token cannot answer "\\boxed{N}": the math reward is 0 for every sample. The base model is
+    # the session's shared 5-step one (test_experiment, test_grpo_functional, the math notebooks).
+    over = _overrides(tmp_path, None, "bootstrap.sft.num_steps=5", f"bootstrap.cache_dir={base_model_cache}",
                       "policy.generation.max_new_tokens=1", "grpo.stop_on_collapse.patience=2",
                       "grpo.stop_on_collapse.zero_std_group_frac=1.0")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "run_grpo_math.py"), *over],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    # examples/run_grpo_math.py's main (the CLI's run_cli) in this process, on the session's Ray: a
+    # subprocess started a Ray of its own (~10 s more). Its exit code is main's return value.
+    monkeypatch.chdir(tmp_path)
+    code = run_cli(over, CONFIG, run_grpo)
+    err = capsys.readouterr().err
+    assert code == 3, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: stopped: generation_collapse at step 2: truncation "
-                                                     "rate 1.00 >= 0.9 and mean reward 0.000 <= 0.0"), proc.stderr[-2000:]
+                                                     "rate 1.00 >= 0.9 and mean reward 0.000 <= 0.0"), err[-2000:]
     assert errors[0].endswith(f"checkpoint in {tmp_path / 'ckpt'}")
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert (tmp_path / "ckpt" / "step_2").is_dir()
 
 
-def test_a_registered_estimator_gets_rewards_groups_token_mask_and_config(ray_session, tmp_path, cache):
+def test_a_registered_estimator_gets_rewards_groups_token_mask_and_config(ray_session, tmp_path, model_dir):
     from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
     seen = {}
@@ -107,7 +115,9 @@ def test_a_registered_estimator_gets_rewards_groups_token_mask_and_config(ray_se
             seen.update(n=len(rewards), groups=group_ids.tolist(), mask=token_mask, config=config)
             return rewards - rewards.mean()  # one decorated function: no edit to the trainer
 
-        over = _overrides(tmp_path, cache, "grpo.advantage_estimator=length_aware", "grpo.max_num_steps=1")
+        # What the estimator is handed, not what the model learned: the untrained tiny model.
+        over = _overrides(tmp_path, None, f"policy.model_name={model_dir}", "grpo.advantage_estimator=length_aware",
+                          "grpo.max_num_steps=1")
         with GRPOExperiment(str(CONFIG), over) as exp:
             exp.step()
             batch = exp.trainer.last_batch
