@@ -93,10 +93,10 @@ def test_second_group_on_held_cluster_fails_fast(policy, cluster, model_dir):
 def test_train_lowers_nll_and_checkpoint_round_trips(policy, cluster, model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    policy.shutdown()  # frees the bundles: one worker group per cluster at a time
-
+    # The module's policy: the tests before this one only generate and compute log-probs, so its
+    # weights, optimizer and reference are still the initial ones (a fresh two-rank group cost ~5 s).
     tok = AutoTokenizer.from_pretrained(model_dir)
-    p = Policy(cluster, _cfg(model_dir), seed=0, name_prefix="train")
+    p = policy
     try:
         data = _prompts(tok, ["12+34=46", "1+1=2", "3+4=7", "40+2=42", "5+5=10", "9+9=18", "2+2=4", "6+1=7"])
         data["token_mask"] = (torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]).long()
@@ -120,7 +120,7 @@ def test_train_lowers_nll_and_checkpoint_round_trips(policy, cluster, model_dir,
             assert torch.allclose(token_logprobs(hf, data["input_ids"], am, 1.0) * am, lp * am, atol=1e-4)
         assert (tmp_path / "ckpt" / "optimizer.pt").exists()
     finally:
-        p.shutdown()
+        p.shutdown()  # frees the bundles: one worker group per cluster at a time
     q = Policy(cluster, _cfg(model_dir), seed=0, name_prefix="load", weights_path=str(tmp_path / "ckpt"))
     try:
         assert torch.allclose(q.get_logprobs(data)["logprobs"], lp, atol=1e-5)
@@ -175,7 +175,7 @@ def test_single_worker_trains_on_decayed_lr_and_round_trips(model_dir, tmp_path)
         one.shutdown()
 
 
-def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir):
+def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir, tmp_path):
     """Several micro-batches are regrouped by length and cut to their own longest sample; the
     update must equal that of the whole batch in one pass (same start, same data)."""
     from transformers import AutoTokenizer
@@ -189,13 +189,17 @@ def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir
     one = RayVirtualCluster(1, cpus_per_worker=1, name="sorted")
     results = []
     try:
-        for mbs in (8, 2):  # 8: one pass over the batch as given; 2: four length-sorted passes
-            p = Policy(one, _cfg(model_dir), seed=0, init_reference_model=False, name_prefix=f"mbs{mbs}")
-            try:
+        # One worker for both updates: each starts from the same checkpoint (weights, optimizer,
+        # scheduler, RNG), as a fresh worker each did (~3 s a worker).
+        p = Policy(one, _cfg(model_dir), seed=0, init_reference_model=False, name_prefix="mbs")
+        try:
+            p.save_checkpoint(str(tmp_path / "start"))
+            for mbs in (8, 2):  # 8: one pass over the batch as given; 2: four length-sorted passes
+                p.load_checkpoint(str(tmp_path / "start"))
                 m = p.train(data, NLLLossFn(), micro_batch_size=mbs)
                 results.append((m, p.get_logprobs(data)["logprobs"]))
-            finally:
-                p.shutdown()
+        finally:
+            p.shutdown()
     finally:
         one.shutdown()
     (m8, lp8), (m2, lp2) = results
@@ -204,7 +208,7 @@ def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir
     assert torch.allclose(lp2[am], lp8[am], atol=1e-5)
 
 
-def test_the_trajectory_pg_loss_of_the_gym_side_trains_the_language_model(model_dir, ray_session):
+def test_the_trajectory_pg_loss_of_the_gym_side_trains_the_language_model(model_dir, ray_session, tmp_path):
     """Registry losses cross sides: ``trajectory_pg`` (REINFORCE on whole sequences, made for step-
     environment agents) trains the LM policy; micro-batches sum to the whole batch's update, and the
     sequence log-likelihood moves with the sign of each advantage."""
@@ -220,15 +224,18 @@ def test_the_trajectory_pg_loss_of_the_gym_side_trains_the_language_model(model_
     one = RayVirtualCluster(1, cpus_per_worker=1, name="trajpg")
     try:
         results = []
-        for mbs in (8, 2):
-            p = Policy(one, _cfg(model_dir, optimizer={"lr": 1e-3}), seed=0, init_reference_model=False,
-                       name_prefix=f"trajpg{mbs}")
-            try:
+        # One worker; each update starts from the same checkpoint (see the test above).
+        p = Policy(one, _cfg(model_dir, optimizer={"lr": 1e-3}), seed=0, init_reference_model=False,
+                   name_prefix="trajpg")
+        try:
+            p.save_checkpoint(str(tmp_path / "start"))
+            for mbs in (8, 2):
+                p.load_checkpoint(str(tmp_path / "start"))
                 before = p.get_logprobs(data)["logprobs"]
                 m = p.train(data, get_loss_fn("trajectory_pg", {}), micro_batch_size=mbs)
                 results.append((m, before, p.get_logprobs(data)["logprobs"]))
-            finally:
-                p.shutdown()
+        finally:
+            p.shutdown()
     finally:
         one.shutdown()
     (m8, before, after8), (m2, _, after2) = results
