@@ -196,20 +196,19 @@ def test_building_and_closing_experiments_leaks_no_actors(ray_session, tmp_path)
     while base != prev:
         time.sleep(1.0)
         prev, base = base, _live_actors()
-    # Closing must bring the count back to exactly where it was, so one leaked actor fails here. (A
-    # second build-and-close round, ~7 s, added nothing: the re-run pair below builds again after this
-    # close and must come back to the same count.)
-    e = GRPOExperiment.from_config(CONFIG, overrides=_overrides(tmp_path / "0"))
-    assert _live_actors() > base
-    e.close()
-    e.close()  # idempotent
-    assert _live_actors(expect=base) == base
-    # Re-running a cell: the new experiment closes the one still open instead of waiting for its CPUs.
+    # Two experiments, each build ~5 s (separate build-and-close rounds before these added nothing):
+    # the first is closed by the second's build, the second by close(); the count must come back to
+    # exactly where it was, so one actor leaked by either close fails.
     first = GRPOExperiment.from_config(CONFIG, overrides=_overrides(tmp_path / "a"))
+    assert _live_actors() > base
+    # Re-running a cell: the new experiment closes the one still open instead of waiting for its CPUs.
     second = GRPOExperiment.from_config(CONFIG, overrides=_overrides(tmp_path / "b"))
     assert first.closed and not second.closed
     with pytest.raises(RuntimeError, match="closed"):
         first.step()
+    assert _live_actors() > base
     second.close()
+    second.close()  # idempotent
+    first.close()  # closing one closed by the re-run is a no-op too
     assert _live_actors(expect=base) == base
     assert ray.is_initialized()  # it joined the module's Ray, so it left it running
