@@ -151,7 +151,9 @@ def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ra
     trainer is where it was before the step, a save in between does not record the prompts as trained,
     and the next step() trains exactly them (it used to raise 'step 0 asked for a batch, but batch 1
     is next' with async rollouts, and to skip the prompts without)."""
-    extra = ["grpo.async_rollouts.enabled=false"] if mode == "sync" else []
+    # Sync GRPO as it runs by default, generating on the policy's own worker (no rollout worker to
+    # start, ~5 s): the retry is about the sampler and the update, not where generation ran.
+    extra = ["grpo.async_rollouts.enabled=false", "policy.generation.colocated=true"] if mode == "sync" else []
     trainer = setup(_config(tmp_path, model_dir, *extra), resume=False)
     try:
         prepare, calls = trainer.policy.prepare_for_training, []
