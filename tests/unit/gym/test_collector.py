@@ -114,7 +114,7 @@ def test_collector_group_spreads_whole_jobs_and_survives_a_killed_collector(ray_
 
     with STEP_ENV_REGISTRY.isolated():
         STEP_ENV_REGISTRY.register("countdown-test", CountdownEnv)  # a registration made in the driver only
-        group = CollectorGroup("countdown-test", {"sleep_s": 0.02, "length_mod": 40}, None, POLICY,
+        group = CollectorGroup("countdown-test", {"sleep_s": 0.01, "length_mod": 40}, None, POLICY,
                                num_collectors=2, cpus_per_collector=1, seed=0)
     try:
         net = build_network(group.spec, POLICY, seed=2)
@@ -127,7 +127,7 @@ def test_collector_group_spreads_whole_jobs_and_survives_a_killed_collector(ray_
         out: dict = {}
         worker = threading.Thread(target=lambda: out.setdefault("trajs", group.collect(jobs)))
         worker.start()
-        time.sleep(0.4)  # mid-episode: each episode takes ~40 steps x 20 ms
+        time.sleep(0.2)  # mid-episode: each episode takes ~40 steps x 10 ms (a collect, 6 of them, ~2.3 s)
         ray.kill(group.actors[0], no_restart=False)
         worker.join(timeout=120)
         assert not worker.is_alive()
