@@ -27,6 +27,7 @@ from nemo_like.models.policy.hf_worker import init_process_group_once, setup_wor
 from nemo_like.models.policy.interfaces import LoraConfig, OptimizerConfig, SchedulerConfig
 from nemo_like.models.policy.lora import apply_lora
 from nemo_like.models.policy.packing import PackedBatch, build_packed, plan_rows, require_mask_attention
+from nemo_like.utils.checkpoint_io import load_full_training_state
 
 
 class RewardModelConfig(BaseModel):
@@ -269,23 +270,11 @@ class RewardModelWorker:
         """Exactly a checkpoint's weights (an error names missing and unexpected ones), optimizer and
         scheduler state."""
         from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
 
-        sd = load_file(str(Path(path) / CHECKPOINT_FILE))
-        expected = set(self.scorer.state_dict())
-        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
-        if missing or unexpected:
-            raise RuntimeError(f"{path}: the checkpoint's weights do not match the reward model (was it saved with "
-                               f"another reward_model.lora?): missing {missing[:10]}, unexpected {unexpected[:10]}")
-        opts = StateDictOptions(full_state_dict=True, strict=True)
-        set_model_state_dict(self.scorer, sd, options=opts)
-        st = torch.load(Path(path) / "optimizer.pt", weights_only=True, map_location="cpu")
-        set_optimizer_state_dict(self.scorer, self.optimizer, st["optimizer"], options=opts)
-        self.scheduler.load_state_dict(st["scheduler"])
+        # A LoRA checkpoint loaded without LoRA (or the other way) shows up as missing/unexpected weights.
+        load_full_training_state(self.scorer, load_file(str(Path(path) / CHECKPOINT_FILE)), str(path),
+                                 "reward model (same reward_model.lora?)", self.optimizer, self.scheduler,
+                                 Path(path) / "optimizer.pt")
 
     def shutdown(self) -> None:
         if dist.is_initialized():

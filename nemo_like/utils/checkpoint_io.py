@@ -210,3 +210,28 @@ def load_train_state(directory: str | os.PathLike[str], verify: bool = True) -> 
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path}: train state format {found!r}, this nemo_like reads {TRAIN_STATE_FORMAT}")
     return state
+
+
+def load_full_training_state(model: torch.nn.Module, sd: Mapping[str, torch.Tensor], where: str, what: str,
+                             optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                             optim_file: Path | None = None) -> None:
+    """Exactly ``sd`` (whole tensors) into ``model``, sharded or not: RuntimeError naming missing and
+    unexpected weights first; then, when ``optim_file`` exists, the optimizer and scheduler state saved
+    beside it (``{"optimizer": full optimizer state dict, "scheduler": ...}``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"{where}: the checkpoint's weights do not match the {what}: missing {missing[:10]}, "
+                           f"unexpected {unexpected[:10]}")
+    opts = StateDictOptions(full_state_dict=True, strict=True)
+    set_model_state_dict(model, dict(sd), options=opts)
+    if optimizer is not None and optim_file is not None and optim_file.exists():
+        st = torch.load(optim_file, weights_only=True, map_location="cpu")
+        set_optimizer_state_dict(model, optimizer, st["optimizer"], options=opts)
+        scheduler.load_state_dict(st["scheduler"])

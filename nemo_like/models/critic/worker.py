@@ -32,6 +32,7 @@ from nemo_like.models.policy.packing import (
     require_mask_attention,
 )
 from nemo_like.models.policy.weight_export import named_checksum, read_safetensors_folder
+from nemo_like.utils.checkpoint_io import load_full_training_state
 
 _TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "values", "returns")
 # Where the non-finite flags of a training pass are counted (see CriticWorker._check_finite).
@@ -410,26 +411,10 @@ class CriticWorker:
     def load_checkpoint(self, path: str) -> None:
         """Exactly the checkpoint's weights (an error names missing and unexpected ones), and its
         optimizer and scheduler state."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         p = Path(path)
         sd = read_safetensors_folder(p, "critic checkpoint")
         self._reshard()
-        expected = set(self.model.state_dict())
-        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
-        if missing or unexpected:
-            raise RuntimeError(f"{p}: the checkpoint's weights do not match the critic: missing {missing[:10]}, "
-                               f"unexpected {unexpected[:10]}")
-        opts = StateDictOptions(full_state_dict=True, strict=True)
-        set_model_state_dict(self.model, sd, options=opts)
-        if (p / "optimizer.pt").exists():
-            st = torch.load(p / "optimizer.pt", weights_only=True, map_location="cpu")
-            set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
-            self.scheduler.load_state_dict(st["scheduler"])
+        load_full_training_state(self.model, sd, str(p), "critic", self.optimizer, self.scheduler, p / "optimizer.pt")
 
     def weights_checksum(self) -> str:
         """sha256 over the full state dict (name, dtype, shape and bytes of every tensor)."""
