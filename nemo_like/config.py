@@ -263,11 +263,15 @@ class MasterConfig(UserImports):
         if check is not None:
             check(self.policy)
 
-    def _check_roles(self) -> None:
-        """With cluster.resource_pools: each role this run has on a pool, and only those."""
-        used = {"policy": True, "generation": not self.policy.generation.colocated,
+    def run_roles(self) -> dict[str, bool]:
+        """Which roles this run has (cluster.roles' keys): setup places them, the checks below pool them."""
+        return {"policy": True, "generation": not self.policy.generation.colocated,
                 "reference": self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.kl_in_reward.enabled,
                 "critic": self.critic is not None, "reward_model": self.reward_model is not None}
+
+    def _check_roles(self) -> None:
+        """With cluster.resource_pools: each role this run has on a pool, and only those."""
+        used = self.run_roles()
         needs_gpu = {"policy": "policy.backend=megatron"} if self.policy.backend == "megatron" else {}
         self.cluster.check_roles(used, needs_gpu, concurrent_generation=self.grpo.async_rollouts.enabled,
                                  collective_refit=self.policy.generation.refit_transport == "collective")

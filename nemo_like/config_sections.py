@@ -307,7 +307,7 @@ class ClusterConfig(_Strict):
                                  f"{role} worker gets {gpus} GPU; remove the key")
 
         gen, pol = self.roles.get("generation"), self.roles.get("policy")
-        if used.get("generation") and gen is not None and gen == pol:
+        if gen is not None and gen == pol:  # (a run without generation has no cluster.roles.generation: above)
             if concurrent_generation:  # time-slicing needs one phase at a time
                 raise ValueError(f"cluster.roles.generation={gen!r}: with grpo.async_rollouts the rollout workers "
                                  "generate while the policy trains, so they cannot share the policy's pool; put "

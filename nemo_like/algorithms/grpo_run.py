@@ -118,23 +118,19 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
             tokenizer = load_tokenizer()
         # Every role's room is reserved before a model loads (a short cluster fails in seconds), and the
         # plan is printed: which pool (or group of its own) each role runs on, and on which nodes.
-        roles = ["policy"] + (["generation"] if not cfg.policy.generation.colocated else []) + (
-            ["critic"] if cfg.critic is not None else []) + (["reward_model"] if cfg.reward_model is not None else [])
+        roles = cfg.run_roles()  # the reference model has no workers of its own: it lives in the policy's
         try:
-            plan = place_roles(cfg.cluster, roles)
+            plan = place_roles(cfg.cluster, [r for r, on in roles.items() if on and r != "reference"])
         except PlacementError as e:
             raise ConfigError(str(e)) from None
         resources.append(plan.shutdown)
         print("[nemo_like] placement (role -> pool -> nodes):\n" + "\n".join(
-            f"  {line}" for line in plan.describe(reference=cfg.loss_fn.reference_policy_kl_penalty > 0
-                                                  or cfg.grpo.kl_in_reward.enabled)))
+            f"  {line}" for line in plan.describe(reference=roles["reference"])))
 
         train_ds = build_task_dataset(train_cfgs, train_rows, tokenizer, max_in)
         val_ds = build_task_dataset(val_cfgs, val_rows, tokenizer, max_in) if val_rows else None
 
-        policy = Policy(plan["policy"], cfg.policy, seed=cfg.grpo.seed,
-                        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0
-                        or cfg.grpo.kl_in_reward.enabled)
+        policy = Policy(plan["policy"], cfg.policy, seed=cfg.grpo.seed, init_reference_model=roles["reference"])
         resources.append(policy.shutdown)
         critic = None
         if cfg.critic is not None:  # a value model of its own, on its own workers (cluster.critic)

@@ -182,8 +182,8 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     # So is a checkpoint_dir of another run, in use by a live one, with only damaged checkpoints, or
     # with a checkpoint this run cannot go on from.
     ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
-    if ckpt is not None and (found := ckpt.preflight()) is not None:
-        _resumable(found, plan, len(batches))
+    found = ckpt.preflight() if ckpt is not None else None
+    saved = _resumable(found, plan, len(batches)) if found is not None else None
     started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
     cluster = rm = logger = None
     try:
@@ -198,9 +198,10 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
                                     name="reward_model")
         rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
-        latest = ckpt.open_for_run() if ckpt is not None else None  # the one preflight checked
+        latest = ckpt.open_for_run() if ckpt is not None else None
         if latest is not None:
-            state = _resumable(latest, plan, len(batches))
+            # Another run may have saved between the check and the lock: then that checkpoint is checked too.
+            state = saved if latest == found else _resumable(latest, plan, len(batches))
             start, first, last, last_val = int(state["step"]), state["first"], state["last"], int(state["last_val"])
             rm.load_checkpoint(str(latest / "reward_model"))
             logger.keep_steps_up_to(start)  # rows the interrupted run logged after its checkpoint

@@ -257,13 +257,14 @@ def remove_placement_group_quietly(pg: PlacementGroup | None, name: str) -> None
             logger.warning("removing placement group %s failed: %s", name or "<unnamed>", e)
 
 
+def custom_resource_names(res: dict[str, float]) -> list[str]:
+    """The custom resources of a node or cluster (the names a cluster gives its nodes), sorted: not
+    CPU/GPU, memory in bytes, per-node markers or per-placement-group bookkeeping."""
+    return sorted(k for k in res if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                  and not k.startswith(("node:", "accelerator_type")) and "_group_" not in k)
+
+
 def _fmt_resources(res: dict[str, float]) -> str:
     """CPU/GPU/custom resources only: memory in bytes and per-node markers are noise here."""
-    skip = ("memory", "object_store_memory")
-    keys = [k for k in ("CPU", "GPU") if k in res] + sorted(
-        k for k in res
-        if k not in ("CPU", "GPU", *skip)
-        and not k.startswith(("node:", "accelerator_type"))
-        and "_group_" not in k  # per-placement-group bookkeeping resources
-    )
+    keys = [k for k in ("CPU", "GPU") if k in res] + custom_resource_names(res)
     return "{" + ", ".join(f"{k}: {res[k]:g}" for k in keys) + "}"

@@ -15,14 +15,17 @@ pool every worker of a role has a bundle with one GPU of its own, which the role
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
 from nemo_like.config_sections import ClusterConfig, ResourcePoolConfig
-from nemo_like.distributed.ray_cluster import RayVirtualCluster, remove_placement_group_quietly
+from nemo_like.distributed.ray_cluster import (
+    RayVirtualCluster,
+    custom_resource_names,
+    remove_placement_group_quietly,
+)
 
 __all__ = ["PlacementError", "ResourcePool", "RolePlacement", "RolePlan", "check_pools_fit", "place_roles"]
 
@@ -129,9 +132,6 @@ class RolePlan:
     def __getitem__(self, role: str) -> Placement:
         return self.placements[role]
 
-    def get(self, role: str) -> Placement | None:
-        return self.placements.get(role)
-
     def describe(self, reference: bool = False) -> list[str]:
         """One line a role: role -> pool (its shape) -> the nodes its ranks run on; ``reference``: the
         run has a reference model, which lives in the policy's workers."""
@@ -177,8 +177,7 @@ def check_pools_fit(cluster: ClusterConfig) -> None:
                                  "gives, or add nodes")
 
 
-def place_roles(cluster: ClusterConfig, roles: list[str],
-                make_group: Callable[..., RayVirtualCluster] = RayVirtualCluster) -> RolePlan:
+def place_roles(cluster: ClusterConfig, roles: list[str]) -> RolePlan:
     """Reserve every role's room before any worker starts: a short cluster fails in seconds, naming
     the pool or role, and not after the first model loaded. ``roles``: the roles the run has, in the
     order they are placed."""
@@ -189,8 +188,8 @@ def place_roles(cluster: ClusterConfig, roles: list[str],
         if not cluster.resource_pools:
             for role in roles:
                 s = cluster.role_workers(role)
-                placements[role] = make_group(s.num_workers, cpus_per_worker=s.cpus_per_worker,
-                                              gpus_per_worker=s.gpus_per_worker, name=role)
+                placements[role] = RayVirtualCluster(s.num_workers, cpus_per_worker=s.cpus_per_worker,
+                                                     gpus_per_worker=s.gpus_per_worker, name=role)
             return plan
         check_pools_fit(cluster)
         sharing = cluster.pool_sharing()
@@ -215,8 +214,7 @@ def _node_label(node: dict[str, Any] | None, node_id: str) -> str:
     """Short id, address and custom resources (the names a cluster gives its nodes)."""
     if node is None:
         return f"node {node_id[:8]}"
-    custom = sorted(k for k in node["Resources"] if k not in ("CPU", "GPU", "memory", "object_store_memory")
-                    and not k.startswith(("node:", "accelerator_type")) and "_group_" not in k)
+    custom = custom_resource_names(node["Resources"])
     return f"node {node_id[:8]} ({node.get('NodeManagerAddress', '?')}{'; ' + ','.join(custom) if custom else ''})"
 
 
