@@ -9,7 +9,8 @@
 # The checks (issue 30's GPU acceptance, in this order):
 #   env         the GPU, torch, and that the project, Ray and TRL import
 #   cuda_tests  tests/unit/models/test_cuda.py: continuous engine = generate on CUDA; a training step
-#               and an object-store refit between a trainer and a rollout worker sharing the GPU
+#               and an object-store refit between a trainer and a rollout worker sharing the GPU; the
+#               critic in bf16 and the reward model on the GPU against float32 on the CPU
 #   generation  bench_generation.py --device cuda: tokens/s at batch 256, SmolLM2-135M shape, bf16
 #   smollm2     the SmolLM2 recipe (grpo_smollm2_cpu.yaml) on the GPU in bf16 through Ray, for
 #               SMOL_S seconds of training: held-out accuracy before and after, per-phase timing
@@ -109,7 +110,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
 print(\"transformers\", transformers.__version__, \"ray\", ray.__version__, \"pydantic\", pydantic.__version__,
       \"trl\", trl.__version__, \"megatron-core\", megatron.core.__version__)
 "'
-check cuda_tests 70 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
+check cuda_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
 check generation 80 python3 benchmarks/bench_generation.py --device cuda --reps 2 --skip-compile
 check smollm2 $((SMOL_S + 70)) python3 examples/run_grpo_math.py "${SMOL[@]}" grpo.max_duration_s="$SMOL_S" \
   grpo.max_num_steps=1000 grpo.val_period=10 checkpointing.enabled=false logger.log_dir=/tmp/smollm2_cuda \

@@ -3,6 +3,7 @@
 - ``config``: the typed config (``examples/configs/grpo_cartpole.yaml``);
 - ``experiment``: ``GymGRPOExperiment``, the notebook API;
 - ``trainer``: the update (collect groups of episodes from one reset seed, advantages, the loss);
+- ``setup``: ``setup_gym``, which builds a trainer (checks, Ray, collectors, network, resume);
 - ``collector``: the collector actors that step the environments in lockstep;
 - ``step_env``: the ``StepEnvironment`` contract, its registry and the gymnasium adapter;
 - ``catch``: an image task for the CNN;

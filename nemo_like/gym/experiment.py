@@ -26,7 +26,8 @@ from nemo_like.config import apply_overrides
 from nemo_like.experiment import LiveExperiment, close_open_experiments, track_open_experiment
 from nemo_like.gym.agent import obs_to_tensor
 from nemo_like.gym.config import GymMasterConfig, load_gym_config, validate_gym_config
-from nemo_like.gym.trainer import GymGRPOTrainer, gym_grpo_train, setup_gym
+from nemo_like.gym.setup import setup_gym
+from nemo_like.gym.trainer import GymGRPOTrainer, gym_grpo_train
 from nemo_like.utils.plotting import plot_metrics, save_training_curves
 
 __all__ = ["GymGRPOExperiment", "GYM_CURVES"]

@@ -15,7 +15,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -23,10 +22,10 @@ from torch import nn
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
-from nemo_like.models.policy.hf_worker import init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import LoraConfig, OptimizerConfig, SchedulerConfig
 from nemo_like.models.policy.lora import apply_lora
 from nemo_like.models.policy.packing import PackedBatch, build_packed, plan_rows, require_mask_attention
+from nemo_like.models.worker_base import TrainingWorkerBase, make_optimizer
 from nemo_like.utils.checkpoint_io import load_full_training_state
 
 
@@ -141,11 +140,10 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return -F.logsigmoid(chosen - rejected)
 
 
-class RewardModelWorker:
+class RewardModelWorker(TrainingWorkerBase):
     def __init__(self, config: RewardModelConfig, *, seed: int = 0):
         self.cfg = config
-        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
-        init_process_group_once(use_cuda, self.rank, self.world_size)
+        self._setup_process(config.num_threads)
         torch.manual_seed(seed)  # the same new head on every rank
         model = load_reward_model(config.model_name, config.trust_remote_code)
         if config.lora.enabled:  # adapters injected in place; the HF model keeps its forward and its head
@@ -153,41 +151,26 @@ class RewardModelWorker:
         scorer = LastTokenScore(model).to(self.device)
         if config.sequence_packing:
             require_mask_attention(scorer.model, "reward_model.sequence_packing")
-        if self.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            for layer in getattr(scorer.trunk, "layers", None) or []:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(scorer, mesh=mesh)
-        self.scorer = scorer
-        o = config.optimizer
-        self.optimizer = torch.optim.AdamW([p for p in scorer.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.scheduler.lr_factor(s))
-
-    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return t
-        out = t.to(self.device) if self.device.type == "cuda" else t.clone()
-        dist.all_reduce(out)
-        return out.cpu()
+        self.sharded = self.world_size > 1  # FSDP2 over several workers
+        layers = getattr(scorer.trunk, "layers", None)
+        self.model = self._fully_shard(scorer, layers) if self.sharded else scorer
+        self.optimizer, self.scheduler = make_optimizer([p for p in scorer.parameters() if p.requires_grad],
+                                                        config.optimizer, config.scheduler)
 
     def _scores(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         width = int(lengths.max())
         if not self.cfg.sequence_packing:
-            return self.scorer(ids[:, :width].to(self.device), lengths.to(self.device))
+            return self.model(ids[:, :width].to(self.device), lengths.to(self.device))
         packed, order = pack_for_scores(ids[:, :width], lengths, self.cfg.packing_row_length)
         k = torch.arange(len(order))
         last_at = (packed.src_row[k, lengths[order]].to(self.device), packed.src_col[k, lengths[order]].to(self.device))
-        got = self.scorer(None, None, packed=packed.to(self.device), last_at=last_at)
+        got = self.model(None, None, packed=packed.to(self.device), last_at=last_at)
         return torch.empty_like(got).index_copy(0, order.to(got.device), got)  # back in the rows' order
 
     @torch.no_grad()
     def score(self, data: BatchedDataDict) -> BatchedDataDict:
         """``scores`` [B] of the shard's sequences."""
-        self.scorer.eval()
+        self.model.eval()
         out = torch.zeros(data.size)
         mb = self.cfg.forward_micro_batch_size
         for s in range(0, data.size, mb):
@@ -201,7 +184,7 @@ class RewardModelWorker:
         per_rank = self.cfg.train_global_batch_size // self.world_size
         if data.size % 2 or n_pairs % per_rank:
             raise ValueError(f"reward-model shard of {data.size} rows is not whole global batches of {per_rank} pairs")
-        self.scorer.train()
+        self.model.train()
         steps = []
         for g in range(0, n_pairs, per_rank):
             self.optimizer.zero_grad(set_to_none=True)
@@ -215,9 +198,7 @@ class RewardModelWorker:
                 margin = (r[0::2] - r[1::2]).detach()
                 sums += torch.tensor([float(loss_terms.detach().sum()), float((margin > 0).sum()),
                                       float(margin.sum())], dtype=torch.float64)
-            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(list(self.scorer.parameters()), max_norm)
-            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            norm = self._clip_grads(self.cfg.max_grad_norm)
             sums = self._reduce(sums) / self.cfg.train_global_batch_size
             if not (math.isfinite(norm) and math.isfinite(float(sums[0]))):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -233,7 +214,7 @@ class RewardModelWorker:
         """The sequence-classification model as a plain HF folder (rank 0 writes)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(self.scorer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             inner = {k.removeprefix("model."): v for k, v in sd.items()}
             if self.cfg.lora.enabled:
@@ -242,9 +223,8 @@ class RewardModelWorker:
                 fresh.get_base_model().load_state_dict(inner, strict=True)
                 fresh.merge_and_unload(safe_merge=True).save_pretrained(Path(path), safe_serialization=True)
             else:
-                self.scorer.model.save_pretrained(Path(path), state_dict=inner, safe_serialization=True)
-        if self.world_size > 1:
-            dist.barrier()
+                self.model.model.save_pretrained(Path(path), state_dict=inner, safe_serialization=True)
+        self._barrier()
 
     def save_checkpoint(self, path: str) -> None:
         """Every tensor of the model as it trains (with LoRA: base, adapters and head apart, not
@@ -257,14 +237,13 @@ class RewardModelWorker:
         )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = get_model_state_dict(self.scorer, options=opts)
-        optim_sd = get_optimizer_state_dict(self.scorer, self.optimizer, options=opts)
+        sd = get_model_state_dict(self.model, options=opts)
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if self.rank == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in sd.items()}, str(Path(path) / CHECKPOINT_FILE))
             torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, Path(path) / "optimizer.pt")
-        if self.world_size > 1:
-            dist.barrier()
+        self._barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Exactly a checkpoint's weights (an error names missing and unexpected ones), optimizer and
@@ -272,13 +251,9 @@ class RewardModelWorker:
         from safetensors.torch import load_file
 
         # A LoRA checkpoint loaded without LoRA (or the other way) shows up as missing/unexpected weights.
-        load_full_training_state(self.scorer, load_file(str(Path(path) / CHECKPOINT_FILE)), str(path),
+        load_full_training_state(self.model, load_file(str(Path(path) / CHECKPOINT_FILE)), str(path),
                                  "reward model (same reward_model.lora?)", self.optimizer, self.scheduler,
                                  Path(path) / "optimizer.pt")
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class RewardModel:

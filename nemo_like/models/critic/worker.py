@@ -11,16 +11,13 @@ chose token t; position 0 (nothing chose it) and padding get 0.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.critic.config import CriticConfig
-from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, init_process_group_once, setup_worker_process
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.packing import (
     MicroBatch,
@@ -32,6 +29,7 @@ from nemo_like.models.policy.packing import (
     require_mask_attention,
 )
 from nemo_like.models.policy.weight_export import named_checksum, read_safetensors_folder
+from nemo_like.models.worker_base import TrainingWorkerBase, make_optimizer
 from nemo_like.utils.checkpoint_io import load_full_training_state
 
 _TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "values", "returns")
@@ -158,27 +156,18 @@ def clipped_value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, ret
     return torch.where(on, loss, zero), torch.where(on, clipped_larger, zero)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class CriticWorker:
+class CriticWorker(TrainingWorkerBase):
     def __init__(self, config: CriticConfig, policy_config: PolicyConfig, *, seed: int = 0):
         self.cfg = config
         self.policy_cfg = policy_config
-        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
-        init_process_group_once(use_cuda, self.rank, self.world_size)
+        self._setup_process(config.num_threads)
         # The same seed on every rank: the new head is initialised identically everywhere (and
         # broadcast from rank 0 below, in case a model's init is not deterministic).
         torch.manual_seed(seed)
         self.model_name = config.model_name or policy_config.model_name
         model, new_params = load_value_model(self.model_name, policy_config.trust_remote_code)
         model.to(self.device)
-        if self.world_size > 1 and new_params:
-            params = dict(model.named_parameters())
-            for name in new_params:
-                if name in params:
-                    dist.broadcast(params[name].data, src=0)
+        self._broadcast_from_rank0(model, new_params)
         # What cuts the passes into micro-batches: the policy's packing / token budget unless overridden.
         self.passes_cfg = config.passes_config(policy_config)
         if self.passes_cfg.sequence_packing.enabled:
@@ -187,47 +176,17 @@ class CriticWorker:
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
         self.sharded = config.fsdp and (self.world_size > 1 or config.precision != "float32")
-        self.model = self._shard(model) if self.sharded else model
-        self.model.train()
-        o = config.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        sched = config.scheduler
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: sched.lr_factor(s))
-
-    def _shard(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        kw: dict = {"mesh": mesh}
-        if self.cfg.precision != "float32":
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[self.cfg.precision],
-                                                   reduce_dtype=torch.float32)
         trunk = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
-        for layer in getattr(trunk, "layers", None) or []:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
-        return model
-
-    def _autocast(self):
-        # Without FSDP's mixed precision (fsdp off), a lower precision is applied by autocast.
-        if self.sharded or self.cfg.precision == "float32":
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.cfg.precision])
-
-    def _reshard(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        layers = getattr(trunk, "layers", None)
+        self.model = self._fully_shard(model, layers, config.precision) if self.sharded else model
+        self.model.train()
+        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), config.optimizer, config.scheduler)
 
     # ---- values -------------------------------------------------------------------------------
     def _mb_values(self, mb: MicroBatch) -> torch.Tensor:
         """[b, w] float32 values of one micro-batch (``mb.idx`` order, on the device), with gradients
         if enabled: packed rows, or right-padded samples."""
-        with self._autocast():
+        with self._autocast(self.cfg.precision):
             if mb.packed is not None:
                 return packed_values(self.model, mb.packed.to(self.device))
             lengths = mb.data["input_lengths"]
@@ -240,21 +199,6 @@ class CriticWorker:
 
     def _plan(self, data: BatchedDataDict, mb_size: int) -> list[MicroBatch]:
         return plan_microbatches(data, self.passes_cfg, mb_size, self._attention_ratio)
-
-    def _synced_count(self, n: int) -> int:
-        """Passes every rank runs: FSDP's collectives are in lock step, and token budgets can give
-        ranks different counts; a rank with fewer repeats its last pass and drops the result."""
-        if self.world_size == 1:
-            return n
-        return int(self._reduce(torch.tensor([n]), op=dist.ReduceOp.MAX)[0])
-
-    def _reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        """``t`` (CPU) reduced over the ranks (default: sum)."""
-        if not (dist.is_initialized() and self.world_size > 1):
-            return t
-        out = t.to(self.device) if self.device.type == "cuda" else t.clone()
-        dist.all_reduce(out, op=op or dist.ReduceOp.SUM)
-        return out.cpu()
 
     @torch.no_grad()
     def compute_values(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -341,13 +285,7 @@ class CriticWorker:
             sums += torch.tensor([float(loss.detach()), float(tok_clipped.sum()) / denom,
                                   float((values.detach() * mask).sum()) / denom], dtype=torch.float64)
             tokens += torch.tensor([item.tokens_real, item.tokens_computed], dtype=torch.float64)
-        if self.world_size > 1 and not self.sharded:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if self.device.type == "cuda" else dist.ReduceOp.SUM)
-                    if self.device.type != "cuda":  # gloo has no AVG
-                        p.grad.div_(self.world_size)
-        grad_norm = self._clip_grads()
+        grad_norm = self._clip_grads(self.cfg.max_grad_norm)  # averages the replicas' gradients first
         if not math.isfinite(grad_norm):
             flags[2] += 1
         flags = self._reduce(flags)
@@ -369,16 +307,6 @@ class CriticWorker:
                 "values_mean": float(sums[2]) if global_toks else nan,
                 "grad_norm": grad_norm, "lr": float(lr),
                 "padding_efficiency": float(tokens[0] / tokens[1].clamp(min=1))}
-
-    def _clip_grads(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -405,8 +333,7 @@ class CriticWorker:
             else:
                 self.model.save_pretrained(out, state_dict=sd, safe_serialization=True)
             torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, out / "optimizer.pt")
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
+        self._barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Exactly the checkpoint's weights (an error names missing and unexpected ones), and its
@@ -419,10 +346,6 @@ class CriticWorker:
     def weights_checksum(self) -> str:
         """sha256 over the full state dict (name, dtype, shape and bytes of every tensor)."""
         return named_checksum(self._full_state_dict().items())
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _nanmean(xs: list[float]) -> float:

@@ -32,9 +32,9 @@ from nemo_like.models.generation.engine import ContinuousBatcher, unsupported_re
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.prefix_cache import make_prefix_cache
 from nemo_like.models.generation.shared_engine import SharedEngine
-from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, pick_device
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.weight_export import named_checksum, tensor_bytes
+from nemo_like.models.worker_base import PRECISION_DTYPES, pick_device
 
 # What generate() passes to the engine; anything else in a batch (rewards, message logs) stays behind.
 GENERATE_KEYS = ("input_ids", "input_lengths", "stop_strings")

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
@@ -41,9 +39,8 @@ from nemo_like.models.policy.packing import (
 )
 from nemo_like.models.policy.refit_source import RefitSourceMixin
 from nemo_like.models.policy.weight_export import read_safetensors_folder
+from nemo_like.models.worker_base import TrainingWorkerBase, local_tensor, make_optimizer
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
-
-PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
@@ -79,51 +76,13 @@ def _without_skipped(gb: BatchedDataDict) -> tuple[BatchedDataDict, int]:
     return one, 0
 
 
-def pick_device(use_cuda: bool) -> torch.device:
-    """The GPU this process was given. Ray narrows CUDA_VISIBLE_DEVICES to an actor's own GPU, which
-    is then device 0 of what it sees (LOCAL_RANK would point past it for every rank above 0); under
-    torchrun every GPU of the node is visible and LOCAL_RANK picks one."""
-    if not use_cuda:
-        return torch.device("cpu")
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise RuntimeError("cluster.gpus_per_worker > 0 but this worker sees no CUDA device "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-    return torch.device("cuda", 0 if n == 1 else int(os.environ.get("LOCAL_RANK", "0")) % n)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's own storage: its shard under FSDP2 (a DTensor), itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def setup_worker_process(num_threads: int | None) -> tuple[int, int, bool, torch.device]:
-    """What every training worker (policy or critic) does first in its process: torch threads (the
-    config's, else its CPU share, ``NEMO_LIKE_NUM_THREADS``), its rank and world size (set by
-    ``RayWorkerGroup``) and its device. Returns ``(rank, world_size, use_cuda, device)``."""
-    threads = num_threads or int(os.environ.get("NEMO_LIKE_NUM_THREADS", "1"))
-    torch.set_num_threads(max(1, threads))
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = os.environ.get("NEMO_LIKE_USE_GPU", "0") == "1"
-    device = pick_device(use_cuda)
-    if use_cuda:
-        torch.cuda.set_device(device)
-    return rank, world_size, use_cuda, device
-
-
-def init_process_group_once(use_cuda: bool, rank: int, world_size: int) -> None:
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-
-
-class HFPolicyWorker(RefitSourceMixin):
+class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
     def __init__(self, config: PolicyConfig, *, seed: int = 0, init_reference_model: bool = True,
                  init_optimizer: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = config
-        self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
-        init_process_group_once(use_cuda, self.rank, self.world_size)
+        self._setup_process(config.num_threads)
         torch.manual_seed(seed + self.rank)
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
@@ -139,11 +98,13 @@ class HFPolicyWorker(RefitSourceMixin):
             model.gradient_checkpointing_enable()
         if config.lora.enabled:  # adapters go in before sharding: FSDP2 shards them with their layer
             model = apply_lora(model, config.lora, config.model_name)
+            self._broadcast_from_rank0(model, [n for n, p in model.named_parameters() if p.requires_grad])
         # FSDP2 on one rank shards nothing but still pays for its hooks and DTensor optimizer steps
         # (measured back to back: 8-15% slower per SFT step of the tiny model); it stays on for one
-        # rank only where it supplies mixed precision.
-        shard = config.fsdp and (self.world_size > 1 or config.precision != "float32")
-        self.model = self._shard(model) if shard else model
+        # rank only where it supplies mixed precision. Off, several ranks are replicas (worker_base).
+        self.sharded = config.fsdp and (self.world_size > 1 or config.precision != "float32")
+        layers = getattr(getattr(hf_model(model), "model", None), "layers", None)
+        self.model = self._fully_shard(model, layers, config.precision) if self.sharded else model
         self._prefix_cache = make_prefix_cache(config)  # next turns reuse their episode's KV
         self.model.train()
 
@@ -161,31 +122,14 @@ class HFPolicyWorker(RefitSourceMixin):
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = self.scheduler = None
         if init_optimizer:
-            o = config.optimizer
             # Only what trains is optimised: AdamW's moments for frozen base weights would be waste.
-            self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=o.lr, betas=o.betas, eps=o.eps,
-                                               weight_decay=o.weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: config.scheduler.lr_factor(s))
-
-    def _shard(self, model):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = None
-        if self.cfg.precision != "float32":
-            mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[self.cfg.precision], reduce_dtype=torch.float32)
-        kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
-        layers = getattr(getattr(hf_model(model), "model", None), "layers", None)
-        for layer in layers or []:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
-        return model
+            self.optimizer, self.scheduler = make_optimizer(trainable_parameters(self.model), config.optimizer,
+                                                            config.scheduler)
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         self.model.eval()
-        with self._gathered():
+        with self._gathered(), self._autocast(self.cfg.precision):
             try:
                 out = hf_generate(
                     self.model, self.tokenizer, data, self.cfg.generation, greedy=greedy,
@@ -200,7 +144,7 @@ class HFPolicyWorker(RefitSourceMixin):
     def generate_episodes(self, data: BatchedDataDict, envs: dict, **kwargs: Any):
         """``stream_episodes`` on this worker's model (one rank: ``Policy.streams_episodes``)."""
         self.model.eval()
-        with self._gathered():
+        with self._gathered(), self._autocast(self.cfg.precision):
             try:
                 return stream_episodes(self.model, self.tokenizer, data, envs, self.cfg.generation,
                                        max_total_length=self.cfg.max_total_sequence_length,
@@ -229,24 +173,11 @@ class HFPolicyWorker(RefitSourceMixin):
     def _mb_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """[b, w] log-probs of the micro-batch's samples, in ``mb.idx`` order."""
         temp = self.cfg.generation.temperature
-        if mb.packed is not None:
-            return packed_token_logprobs(self.model, mb.packed.to(self.device), temp)
-        ids = mb.data["input_ids"].to(self.device)
-        return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp)
-
-    def _reduce_over_ranks(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        """``t`` (CPU) reduced over the ranks (``op``: default sum), on the CPU; NCCL reduces only
-        tensors on the GPU."""
-        if not (dist.is_initialized() and self.world_size > 1):
-            return t
-        out = t.to(self.device) if self.device.type == "cuda" else t
-        dist.all_reduce(out, op=op or dist.ReduceOp.SUM)
-        return out.cpu()
-
-    def _synced_count(self, n: int) -> int:
-        """Micro-batches every rank runs: FSDP's collectives run in lock step, and token budgets can
-        give ranks different counts; a rank with fewer repeats a pass whose result it throws away."""
-        return int(self._reduce_over_ranks(torch.tensor([n], dtype=torch.long), op=dist.ReduceOp.MAX).item())
+        with self._autocast(self.cfg.precision):
+            if mb.packed is not None:
+                return packed_token_logprobs(self.model, mb.packed.to(self.device), temp)
+            ids = mb.data["input_ids"].to(self.device)
+            return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp)
 
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -276,17 +207,8 @@ class HFPolicyWorker(RefitSourceMixin):
             lp = self.get_logprobs(data)["logprobs"]
         return BatchedDataDict(reference_logprobs=lp)
 
-    def _reshard(self) -> None:
-        # FSDP2 leaves the root module's parameters unsharded after a forward pass; put every
-        # parameter back to its sharded DTensor form before touching parameters directly.
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
     def _stash(self, p: torch.Tensor) -> torch.Tensor:
-        t = _local(p.detach()).clone()
+        t = local_tensor(p.detach()).clone()
         return t.to("cpu").pin_memory() if self.device.type == "cuda" else t
 
     @contextmanager
@@ -296,7 +218,7 @@ class HFPolicyWorker(RefitSourceMixin):
         saved = {n: self._stash(p) for n, p in current.items()}
         with torch.no_grad():
             for n, p in current.items():
-                _local(p).copy_(params[n], non_blocking=True)
+                local_tensor(p).copy_(params[n], non_blocking=True)
         try:
             yield
         finally:
@@ -305,7 +227,7 @@ class HFPolicyWorker(RefitSourceMixin):
             self._reshard()
             with torch.no_grad():
                 for n, p in current.items():
-                    _local(p).copy_(saved[n], non_blocking=True)
+                    local_tensor(p).copy_(saved[n], non_blocking=True)
 
     # ---- training -----------------------------------------------------------------------------
     def train(self, data: BatchedDataDict, loss_fn: Any, global_batch_size: int | None = None,
@@ -324,7 +246,7 @@ class HFPolicyWorker(RefitSourceMixin):
         for gb_start in range(0, data.size, gbs):
             gb = data.slice(gb_start, gb_start + gbs)
             mask = gb["token_mask"].float() * gb["sample_mask"].float()[:, None]
-            counts = self._reduce_over_ranks(torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64))
+            counts = self._reduce(torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64))
             global_toks, global_seqs = counts[0].float(), counts[1].float()
             gb, n_trained = _without_skipped(gb)  # after counting: the loss's normalisers still count them
             trained_lengths.append(gb["input_lengths"][:n_trained])
@@ -344,7 +266,8 @@ class HFPolicyWorker(RefitSourceMixin):
                 if n_pass >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
                     (loss * 0.0).backward()
                     continue
-                # FSDP averages gradients over ranks; the loss is already a share of the global sum.
+                # Gradients are averaged over ranks (FSDP, or the replicas' all-reduce); the loss is
+                # already a share of the global sum.
                 (loss * self.world_size).backward()
                 tok_real += item.tokens_real
                 tok_computed += item.tokens_computed
@@ -357,7 +280,7 @@ class HFPolicyWorker(RefitSourceMixin):
                         sums["loss"] = sums.get("loss", 0.0) + float(v)
                     else:
                         sums[k] = sums.get(k, 0.0) + float(v) * w
-            grad_norm = self._clip_grads()
+            grad_norm = self._clip_grads(self.cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             all_metrics.append(self._reduce_metrics(sums, weight_total) | {
@@ -369,7 +292,7 @@ class HFPolicyWorker(RefitSourceMixin):
         perf = self._perf_metrics(trained, elapsed)
         eff = torch.tensor([tok_real, tok_computed, perf.get("mfu", 0.0), tok_samples, trained.numel(),
                             float(trained.sum())], dtype=torch.float64)
-        eff = self._reduce_over_ranks(eff)
+        eff = self._reduce(eff)
         out = _mean_dicts(all_metrics) | {"num_optimizer_steps": float(len(all_metrics)),
                                           "padding_efficiency": float(eff[0] / eff[1].clamp(min=1)),
                                           # Positions computed per token of the samples: below 1 when
@@ -404,18 +327,10 @@ class HFPolicyWorker(RefitSourceMixin):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _clip_grads(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
-
     def _reduce_metrics(self, sums: dict[str, float], weight_total: float) -> dict[str, float]:
         """Loss is summed over workers; the other metrics are token-weighted means over workers."""
         keys = sorted(sums)
-        vec = self._reduce_over_ranks(torch.tensor([sums[k] for k in keys] + [weight_total], dtype=torch.float64))
+        vec = self._reduce(torch.tensor([sums[k] for k in keys] + [weight_total], dtype=torch.float64))
         total_w = float(vec[-1])
         # Nothing carried loss (every sample masked or skipped): the means are undefined, NaN (logged as
         # null), not 0.0, which would read as a collapsed ratio; the keys stay for tables and curves.
@@ -433,15 +348,13 @@ class HFPolicyWorker(RefitSourceMixin):
         if self.rank == 0:
             if optim_sd is not None:
                 torch.save({"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}, out / "optimizer.pt")
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
+        self._barrier()
         torch.save(torch.get_rng_state(), out / f"rng_rank{self.rank}.pt")
 
     def export_merged(self, path: str) -> None:
         """A plain HF folder of the policy as it computes: with LoRA, the adapter merged into the base."""
         self._save_weights(path, merged=True)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
+        self._barrier()
 
     def _save_weights(self, path: str, merged: bool) -> Path:
         """Tokenizer and weights into ``path`` (every rank calls this, rank 0 writes): a plain HF
@@ -498,9 +411,6 @@ class HFPolicyWorker(RefitSourceMixin):
                                f"{' ...' if len(unexpected) > 10 else ''}")
         set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
 
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:

@@ -145,8 +145,8 @@ class PolicyConfig(BaseModel):
     # The training worker (models/policy/backends.py): "hf" (transformers, FSDP2) or "megatron"
     # (Megatron-core GPTModel; pip install 'nemo_like[megatron]'), or a registered name.
     backend: str = "hf"
-    # Compute dtype. HF backend: weights stay float32, a lower precision is FSDP2 mixed precision (needs
-    # fsdp: true). Megatron: the parameters' dtype. Rollout workers on a GPU generate in it.
+    # Compute dtype. HF backend: weights stay float32, a lower precision is FSDP2 mixed precision (with
+    # fsdp: false, autocast). Megatron: the parameters' dtype. Rollout workers on a GPU generate in it.
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     # Let transformers run the model's own code from the hub (models it does not ship); passed to from_pretrained.
     trust_remote_code: bool = False
@@ -164,7 +164,8 @@ class PolicyConfig(BaseModel):
     # Clip the gradient's global L2 norm to this before each optimizer step; None: no clipping.
     max_grad_norm: float | None = 1.0
     # HF backend: FSDP2 over the workers (sharded weights, gradients and optimizer state; with one worker
-    # only for a precision other than float32). Off: gradients are not averaged over workers: use one.
+    # only for a precision other than float32). Off: every worker holds the whole model and the workers
+    # average their gradients (plain data parallel, as DDP): the same update, more memory per worker.
     fsdp: bool = True
     # Recompute activations in the backward pass instead of keeping them: less memory, more compute
     # (not on the Megatron backend).

@@ -35,10 +35,11 @@ import torch.distributed as dist
 import nemo_like.models.policy.megatron_mapping as mm
 import nemo_like.models.policy.weight_export as weight_export
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.models.policy.hf_worker import PRECISION_DTYPES, HFPolicyWorker, setup_worker_process
+from nemo_like.models.policy.hf_worker import HFPolicyWorker
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.lora import refuse_adapter_checkpoint
 from nemo_like.models.policy.packing import MicroBatch
+from nemo_like.models.worker_base import PRECISION_DTYPES, setup_worker_process
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
 
 BACKEND = "megatron"
@@ -117,6 +118,7 @@ class MegatronPolicyWorker(HFPolicyWorker):
         mm.require_megatron()
         self.cfg = config
         self.rank, self.world_size, use_cuda, self.device = setup_worker_process(config.num_threads)
+        self.sharded = False  # data-parallel replicas; _clip_grads below averages their gradients
         self._cpu_context = contextlib.ExitStack()
         if use_cuda:
             mm.init_model_parallel("nccl", seed=seed)
@@ -175,7 +177,7 @@ class MegatronPolicyWorker(HFPolicyWorker):
         lengths = mb.data["input_lengths"].to(self.device)
         return lp * (torch.arange(ids.shape[1], device=self.device)[None] < lengths[:, None])
 
-    def _clip_grads(self) -> float:
+    def _clip_grads(self, max_grad_norm: float | None) -> float:
         """Average the gradients over the data-parallel ranks (the loop scaled each rank's loss by
         the world size, as FSDP expects), hand them to the float32 masters, clip those."""
         if dist.is_initialized() and self.world_size > 1:
@@ -185,7 +187,7 @@ class MegatronPolicyWorker(HFPolicyWorker):
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad.div_(self.world_size)
         grads = self.optimizer.grads_to_masters()
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
 
     def _perf_metrics(self, lengths: torch.Tensor, elapsed: float) -> dict[str, float]:

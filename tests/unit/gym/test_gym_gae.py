@@ -26,8 +26,9 @@ from nemo_like.config import ConfigError
 from nemo_like.gym.agent import AGENT_NETWORKS, build_network
 from nemo_like.gym.collector import Trajectory
 from nemo_like.gym.config import validate_gym_config
+from nemo_like.gym.setup import check_value_head
 from nemo_like.gym.step_env import ObsSpec
-from nemo_like.gym.trainer import GymGRPOTrainer, _Batch, check_value_head, trajectory_gae
+from nemo_like.gym.trainer import GymGRPOTrainer, _Batch, trajectory_gae
 
 SPEC = ObsSpec(num_actions=2, vector_dim=4)
 TERMINATED = [1.8932, 1.31, 0.5]

@@ -73,3 +73,74 @@ def test_training_step_and_refit_on_one_gpu(ray_session, model_dir):
         if policy is not None:
             policy.shutdown()
         cluster.shutdown()
+
+
+def critic_and_reward_model_check(model_dir, tmp_path, gpus: float) -> None:
+    """The critic and the reward model on the device of ``gpus`` against float32 on the CPU: the
+    critic (bf16 mixed precision on the device) gives the CPU's values within bf16 rounding, trains
+    (value loss down, finite), and its checkpoint loads on the CPU into the device's values; the reward
+    model scores as on the CPU and takes a finite training step. ``gpus=0`` runs the same on the CPU."""
+    from nemo_like.distributed.batched_data_dict import BatchedDataDict
+    from nemo_like.models.critic import CriticConfig
+    from nemo_like.models.critic.critic import Critic
+    from nemo_like.models.reward_model import RewardModel, RewardModelConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = tokenized(tok, TRAIN_TEXTS)
+    ar = torch.arange(data["input_ids"].shape[1])
+    data["token_mask"] = ((ar[None] >= 2) & (ar[None] < data["input_lengths"][:, None])).float()
+    pcfg = PolicyConfig(model_name=model_dir, train_global_batch_size=8, train_micro_batch_size=4)
+    ccfg = dict(optimizer={"lr": 1e-3}, train_global_batch_size=8, train_micro_batch_size=4, forward_micro_batch_size=4)
+    values: dict[str, torch.Tensor] = {}
+    for where, g, precision in (("cpu", 0.0, "float32"), ("device", gpus, "bfloat16")):
+        cluster = RayVirtualCluster(1, cpus_per_worker=1, gpus_per_worker=g, name=f"critic-{where}")
+        try:
+            c = Critic(cluster, CriticConfig(**ccfg, precision=precision), pcfg, seed=0, name_prefix=f"critic-{where}")
+            try:
+                values[where] = c.compute_values(data)["values"]
+                if where == "cpu":
+                    continue
+                returns = torch.where(data["token_mask"] > 0, torch.full_like(values[where], 0.7), torch.zeros_like(values[where]))
+                train = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"],
+                                        token_mask=data["token_mask"], values=values[where], returns=returns)
+                losses = [c.train(train)["value_loss"] for _ in range(4)]
+                assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+                values["trained"] = c.compute_values(data)["values"]
+                c.save_checkpoint(str(tmp_path / "critic"))
+            finally:
+                c.shutdown()
+        finally:
+            cluster.shutdown()
+    on = data["token_mask"] > 0
+    assert (values["device"] - values["cpu"])[on].abs().max() < 0.05  # bf16 compute against float32
+    cluster = RayVirtualCluster(1, cpus_per_worker=1, name="critic-reload")
+    try:
+        c = Critic(cluster, CriticConfig(**ccfg), pcfg, seed=0, name_prefix="critic-reload")
+        try:
+            c.load_checkpoint(str(tmp_path / "critic"))
+            assert (c.compute_values(data)["values"] - values["trained"])[on].abs().max() < 0.05
+        finally:
+            c.shutdown()
+    finally:
+        cluster.shutdown()
+
+    scores = {}
+    pairs = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])  # rows 2i, 2i+1: a pair
+    for where, g in (("cpu", 0.0), ("device", gpus)):
+        cluster = RayVirtualCluster(1, cpus_per_worker=1, gpus_per_worker=g, name=f"rm-{where}")
+        try:
+            rm = RewardModel(cluster, RewardModelConfig(model_name=model_dir, train_global_batch_size=4,
+                                                        train_micro_batch_size=2), seed=0, name_prefix=f"rm-{where}")
+            try:
+                scores[where] = rm.score(pairs)
+                m = rm.train_pairs(pairs)
+                assert m["num_optimizer_steps"] == 1 and torch.isfinite(torch.tensor(m["loss"]))
+            finally:
+                rm.shutdown()
+        finally:
+            cluster.shutdown()
+    assert (scores["device"] - scores["cpu"]).abs().max() < 1e-3  # float32 on both
+
+
+def test_critic_and_reward_model_on_one_gpu(ray_session, model_dir, tmp_path):
+    critic_and_reward_model_check(model_dir, tmp_path, gpus=0.5)

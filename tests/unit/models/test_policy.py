@@ -244,3 +244,37 @@ def test_the_trajectory_pg_loss_of_the_gym_side_trains_the_language_model(model_
     change = ((after8 - before) * mask).sum(-1)  # the change of each sequence's log-likelihood
     assert torch.all(change[0::2] > 0) and torch.all(change[1::2] < 0), change
     torch.testing.assert_close(after2 * mask, after8 * mask, atol=1e-5, rtol=0)
+
+
+def test_replicas_without_fsdp_make_the_one_rank_update(ray_session, model_dir):
+    """``policy.fsdp: false`` on two ranks: each holds the whole model, the ranks start from rank 0's
+    random LoRA adapters and average their gradients, so two steps give the one-rank update (each
+    rank trains on its half of every batch, and get_logprobs reads half the rows from each rank)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["1+1=2", "12+34=46 because 12+34 is 46", "3+4=7", "40+2=42, forty-two", "5+5=10", "9+9=18",
+             "2+2=4 and 2*2=4", "6+1=7"]
+    data = _prompts(tok, texts)
+    data["token_mask"] = (torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]).long()
+    data["sample_mask"] = torch.ones(8)
+    lora = {"enabled": True, "rank": 4, "alpha": 8, "target_modules": "all-linear"}
+    results = {}
+    for workers, fsdp in ((1, True), (2, False)):  # one rank never shards (float32)
+        c = RayVirtualCluster(workers, cpus_per_worker=1, name=f"replicas{workers}")
+        try:
+            p = Policy(c, _cfg(model_dir, lora=lora, fsdp=fsdp), seed=0, init_reference_model=False,
+                       name_prefix=f"replicas{workers}")
+            try:
+                ms = [p.train(data, NLLLossFn()) for _ in range(2)]
+                results[workers] = ms, p.get_logprobs(data)["logprobs"]
+            finally:
+                p.shutdown()
+        finally:
+            c.shutdown()
+    (m1, lp1), (m2, lp2) = results[1], results[2]
+    am = data["token_mask"].bool()
+    assert (lp2[am] - lp1[am]).abs().max() < 1e-5
+    for a, b in zip(m1, m2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert m2[1]["loss"] < m2[0]["loss"]

@@ -126,7 +126,7 @@ def test_a_pass_with_no_loss_reports_undefined_means_not_zeros():
     from nemo_like.models.policy.hf_worker import HFPolicyWorker, _mean_dicts
 
     one_rank = SimpleNamespace(world_size=1, device=torch.device("cpu"))
-    one_rank._reduce_over_ranks = HFPolicyWorker._reduce_over_ranks.__get__(one_rank)  # the real one: a no-op on one rank
+    one_rank._reduce = HFPolicyWorker._reduce.__get__(one_rank)  # the real one: a no-op on one rank
     empty = HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.0, "probs_ratio": 0.0}, 0.0)
     assert empty["loss"] == 0.0 and math.isnan(empty["probs_ratio"])
     full = HFPolicyWorker._reduce_metrics(one_rank, {"loss": 0.5, "probs_ratio": 4.0}, 4.0)
