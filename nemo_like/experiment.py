@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, apply_overrides, load_config, validate_config
+from nemo_like.experience.samples import sample_rows
 
 __all__ = ["GRPOExperiment", "LiveExperiment"]
 
@@ -358,30 +359,19 @@ class GRPOExperiment(LiveExperiment):
 
         return plot_metrics(self.trainer.history, [keys] if isinstance(keys, str) else list(keys))
 
-    def samples(self, n: int | None = 4, *, sort: str | None = None):
-        """The last step's samples: task, problem, completion, reward, advantage, ground truth...
-        ``sort="best"``/``"worst"`` orders them by reward first."""
+    def samples(self, n: int | None = 4, *, sort: str | None = None, split: str = "train"):
+        """The last step's samples (``split="val"``: the last validation's, greedy): task, problem,
+        completion, reward, advantage, ground truth... ``sort="best"``/``"worst"`` orders them by
+        reward first."""
         import pandas as pd
 
-        batch = self.trainer.last_batch
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        batch = self.trainer.last_batch if split == "train" else self.trainer.last_val_batch
         if batch is None:
-            raise RuntimeError("no step has run yet: call step() or train() first")
-        rows = []
-        for i, log in enumerate(batch["message_log"]):
-            first = next((j for j, m in enumerate(log) if m["role"] == "assistant"), len(log))
-            info = batch["extra_env_info"][i] or {}
-            rows.append({
-                "task": batch["task_name"][i],
-                "problem": info.get("problem"),
-                "prompt": "".join(m["content"] for m in log[:first]),
-                "completion": "\n".join(f"[{m['role']}] {m['content']}" if m["role"] != "assistant" else m["content"]
-                                        for m in log[first:]),
-                "reward": float(batch["total_reward"][i]),
-                "advantage": float(batch["advantages"][i]),
-                "ground_truth": info.get("ground_truth"),
-                "turns": int(batch["num_turns"][i]),
-                "truncated": bool(batch["truncated"][i]),
-            })
+            raise RuntimeError("no step has run yet: call step() or train() first" if split == "train" else
+                               "no validation has run yet: call validate() first")
+        rows = sample_rows(batch)
         df = pd.DataFrame(rows)
         if sort in ("best", "worst"):
             df = df.sort_values("reward", ascending=sort == "worst", kind="stable")

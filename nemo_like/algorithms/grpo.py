@@ -34,6 +34,7 @@ from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
 from nemo_like.experience.env_waves import EnvTimes
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
+from nemo_like.experience.samples import sample_rows
 from nemo_like.models.generation.backends import backend_capabilities
 from nemo_like.utils.checkpoint import (
     CheckpointManager,
@@ -73,6 +74,7 @@ class GRPOTrainer:
     first_val_results: dict[str, list] | None = None
     last_val_results: dict[str, list] | None = None
     last_batch: BatchedDataDict | None = None
+    last_val_batch: BatchedDataDict | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     _resources: list[Any] = field(default_factory=list)  # shut down in close(), in reverse order
     env_watch: FailureWatch = field(init=False)
@@ -294,6 +296,8 @@ class GRPOTrainer:
         prompt_ids = [f"{t}:{int(i)}" for b, _ in rounds
                       for (t, i), _ in itertools.groupby(zip(b["task_name"], b["idx"], strict=True))]
         self.logger.log_metrics(metrics, step=self.step_count, record={"prompt_ids": prompt_ids})
+        if n := self.logger.wants_samples("train"):
+            self.logger.log_samples(sample_rows(batch, n), self.step_count, "train")
         self.history.append({"step": self.step_count} | metrics)
         # A collapsed run stops (grpo_train ends, the CLI exits 3), with a checkpoint to look at.
         self.stop_reason = self.collapse_watch.observe(metrics, self.step_count) or self.stop_reason
@@ -392,6 +396,9 @@ class GRPOTrainer:
             out |= per_task_metrics(batch, "val")
         self.last_val_metrics, self.last_val_step = out, self.step_count
         self.last_val_results = {"task_name": list(batch["task_name"]), "correct": (rewards >= 1.0).tolist()}
+        self.last_val_batch = batch
+        if (n := self.logger.wants_samples("val")) != 0:
+            self.logger.log_samples(sample_rows(batch, n), self.step_count, "val")
         if self.first_val_results is None:
             self.first_val_results = self.last_val_results
         if log:

@@ -5,6 +5,10 @@ call, ``{"step": N, "train/loss": ...}``. It is opened in append mode so a resum
 writing to the same file, and every line is flushed immediately so a crash loses at most
 the line being written. A resumed run first drops the rows logged after its checkpoint
 (``keep_steps_up_to``), so the file holds each step once.
+
+samples.jsonl holds what the policy wrote: one row per sample (step, split, task, prompt, completion,
+reward, ...), every validation's and, when asked, the first few of each training step's. It is
+trimmed and set aside with metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 METRICS_FILENAME = "metrics.jsonl"
+SAMPLES_FILENAME = "samples.jsonl"
 CONFIG_FILENAME = "config.yaml"
 TENSORBOARD_SUBDIR = "tensorboard"
 
@@ -64,6 +69,14 @@ class LoggerConfig(BaseModel):
     jsonl_enabled: bool = True
     # Write TensorBoard events to <log_dir>/tensorboard.
     tensorboard_enabled: bool = True
+    # Language-model runs: held-out samples printed after each validation (task, reward, the prompt's
+    # end, the completion); 0: none.
+    num_val_samples_to_print: int = Field(0, ge=0)
+    # Every validation's samples (prompt, completion, reward, ground truth) to <log_dir>/samples.jsonl
+    # (with jsonl_enabled).
+    log_val_samples: bool = True
+    # The first N samples of every training step to samples.jsonl too; 0: none.
+    num_train_samples_to_log: int = Field(0, ge=0)
     # Log to Weights & Biases too (settings in wandb; needs the wandb extra).
     wandb_enabled: bool = False
     wandb: WandbConfig = Field(default_factory=WandbConfig)
@@ -134,6 +147,7 @@ class Logger:
         self.print_fn = print_fn or _default_print
         self._closed = False
         self._jsonl = None
+        self._samples = None  # samples.jsonl, opened at its first row
         # The TensorBoard writer starts with the first metric, once a resume has said which step the
         # crashed run's later events are hidden from (purge_step).
         self._tb_writer = None
@@ -148,6 +162,57 @@ class Logger:
     @property
     def metrics_path(self) -> Path:
         return self.log_dir / METRICS_FILENAME
+
+    @property
+    def samples_path(self) -> Path:
+        return self.log_dir / SAMPLES_FILENAME
+
+    def wants_samples(self, split: str) -> int | None:
+        """How many of a ``split`` ("val" or "train") batch's samples ``log_samples`` would use: 0 for
+        none, None for all."""
+        if split == "val":
+            if self.cfg.jsonl_enabled and self.cfg.log_val_samples:
+                return None
+            return self.cfg.num_val_samples_to_print if self.cfg.stdout_enabled else 0
+        return self.cfg.num_train_samples_to_log if self.cfg.jsonl_enabled else 0
+
+    def log_samples(self, rows: list[Mapping[str, Any]], step: int, split: str) -> None:
+        """Rows of samples (``nemo_like.experience.samples.sample_rows``) of ``step`` to samples.jsonl,
+        and for "val" the first ``num_val_samples_to_print`` to stdout."""
+        if self._closed:
+            raise RuntimeError("Logger.log_samples called after close()")
+        if split == "val" and self.cfg.stdout_enabled and (n := self.cfg.num_val_samples_to_print):
+            self.print_fn(self.format_samples(rows[:n], step, len(rows)))
+        keep = len(rows) if split == "val" and self.cfg.log_val_samples else (
+            self.cfg.num_train_samples_to_log if split == "train" else 0)
+        if not (self.cfg.jsonl_enabled and keep and rows):
+            return
+        if self._samples is None:
+            self._samples = self._open_jsonl_for_append(self.samples_path)
+        for row in rows[:keep]:
+            plain = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            self._samples.write(json.dumps({"step": int(step), "split": split} | plain, default=str,
+                                           allow_nan=False) + "\n")
+        self._samples.flush()
+
+    @staticmethod
+    def format_samples(rows: list[Mapping[str, Any]], step: int, total: int, width: int = 300) -> str:
+        """A readable block: per sample its task, reward, the prompt's last ``width`` characters and
+        the completion's first ``width``."""
+        def cut(text: Any, tail: bool) -> str:
+            text = str(text).replace("\n", "\\n")
+            if len(text) <= width:
+                return text
+            return "..." + text[-width:] if tail else text[:width] + "..."
+
+        lines = [f"[nemo_like] validation samples at step {step} ({len(rows)} of {total}):"]
+        for r in rows:
+            reward = r.get("reward")
+            unscored = reward is None or (isinstance(reward, float) and math.isnan(reward))
+            lines.append(f"  [{r.get('task')}] reward {'-' if unscored else f'{reward:.3g}'}"
+                         f"  prompt: {cut(r.get('prompt', ''), True)}")
+            lines.append(f"      completion: {cut(r.get('completion', ''), False)}")
+        return "\n".join(lines)
 
     @staticmethod
     def _open_jsonl_for_append(path: Path):
@@ -206,7 +271,31 @@ class Logger:
             self._tb_writer.close()
             self._tb_writer = None
         self._tb_purge_step = step + 1
+        self._trim_samples(step)
         return rows
+
+    def _trim_samples(self, step: int) -> None:
+        """samples.jsonl without the rows of steps after ``step`` (a crashed run's; they come again)."""
+        path = self.samples_path
+        if not path.exists():
+            return
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+        kept = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the crash
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if len(kept) != len(lines):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, path)
 
     def set_aside_previous_rows(self) -> Path | None:
         """For a run that starts at step 0: an earlier run's metrics.jsonl in the same log_dir (one
@@ -219,13 +308,17 @@ class Logger:
             self._tb_writer.close()
             self._tb_writer = None
         self._tb_purge_step = 0
+        samples = self.samples_path
+        if samples.exists() and samples.stat().st_size > 0:  # the earlier run's samples go aside with its metrics
+            if self._samples is not None:
+                self._samples.close()
+                self._samples = None
+            os.replace(samples, _free_aside_name(samples))
         path = self.metrics_path
         if self._jsonl is None or not path.exists() or path.stat().st_size == 0:
             return None
         self._jsonl.close()
-        n = 1
-        while (aside := path.with_name(f"{path.stem}.prev{n}{path.suffix}")).exists():
-            n += 1
+        aside = _free_aside_name(path)
         os.replace(path, aside)
         self._jsonl = open(path, "a", encoding="utf-8")
         self.print_fn(f"[nemo_like] {path} held an earlier run's rows (no checkpoint to resume): moved to {aside.name}")
@@ -348,6 +441,9 @@ class Logger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None
@@ -360,6 +456,14 @@ class Logger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _free_aside_name(path: Path) -> Path:
+    """``<stem>.prev<N><suffix>`` beside ``path``, the first N not taken."""
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.prev{n}{path.suffix}")).exists():
+        n += 1
+    return aside
 
 
 def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@ in the test (as in a notebook cell), save/resume equivalence, and no leaked acto
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -59,12 +60,14 @@ def _base_model_cache(base_model_cache):
 
 @pytest.fixture(scope="module")
 def exp(ray_session, tmp_path_factory):
-    e = GRPOExperiment.from_config(CONFIG, overrides=_overrides(tmp_path_factory.mktemp("exp")))
+    e = GRPOExperiment.from_config(CONFIG, overrides=_overrides(tmp_path_factory.mktemp("exp"),
+                                                                "logger.num_val_samples_to_print=2",
+                                                                "logger.num_train_samples_to_log=3"))
     yield e
     e.close()
 
 
-def test_validate_step_train_metrics_plot_samples_generate(exp):
+def test_validate_step_train_metrics_plot_samples_generate(exp, capsys):
     val = exp.validate()
     assert set(val) >= {"val/accuracy", "val/reward_mean"} and 0.0 <= val["val/accuracy"] <= 1.0
     m = exp.step()
@@ -89,6 +92,17 @@ def test_validate_step_train_metrics_plot_samples_generate(exp):
     assert all("+" in p for p in s["problem"])
     full = exp.samples(n=None)
     assert len(full) == 16 and full["advantage"].abs().sum() >= 0
+
+    # The last validation's greedy samples, in the notebook and in samples.jsonl (with each step's
+    # first 3 training samples); two of them printed after each validation.
+    held_out = exp.samples(n=None, split="val")
+    assert len(held_out) == 8 and "advantage" not in held_out.columns
+    assert float((held_out["reward"] >= 1.0).mean()) == pytest.approx(df["val/accuracy"].iloc[-1])
+    logged = [json.loads(x) for x in (exp.trainer.logger.samples_path).read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in logged] == [(0, "val")] * 8 + [
+        (s, "train") for s in (1, 2, 3) for _ in range(3)] + [(3, "val")] * 8
+    assert [r["completion"] for r in logged[-8:]] == held_out["completion"].tolist()
+    assert capsys.readouterr().out.count("[nemo_like] validation samples at step") == 2
 
     comps = exp.generate(["12+34=", "1+1="])
     assert len(comps) == 2 and all(isinstance(c, str) for c in comps)

@@ -421,3 +421,46 @@ def test_record_fields_go_to_the_jsonl_row_only_and_leave_the_history(tmp_path):
         assert logger.keep_steps_up_to(1) == [{"step": 1, "train/loss": 1.0}]
     assert read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl") == [
         {"step": 1, "train/loss": 1.0, "prompt_ids": ["math:3", "math:7"]}]
+
+
+def _rows(n: int, tag: str) -> list[dict]:
+    return [{"task": "math", "prompt": f"line one\n{i}+1=", "completion": f"{i + 1}{tag}",
+             "reward": float(i % 2) if i else math.nan, "ground_truth": i + 1} for i in range(n)]
+
+
+def test_samples_go_to_samples_jsonl_print_and_follow_a_resume(tmp_path):
+    lines: list[str] = []
+    cfg = _cfg(tmp_path, stdout_enabled=True, num_val_samples_to_print=2, num_train_samples_to_log=1)
+    logger = Logger(cfg, print_fn=lines.append)
+    assert (logger.wants_samples("val"), logger.wants_samples("train")) == (None, 1)
+    logger.log_samples(_rows(3, "v"), step=0, split="val")
+    for step in (1, 2, 3):  # the checkpoint is at step 2; step 3 is logged, then the crash
+        logger.log_samples(_rows(3, "t")[: logger.wants_samples("train")], step=step, split="train")
+    logger.log_samples(_rows(3, "v"), step=3, split="val")
+    logger.close()
+    read = lambda: [json.loads(x) for x in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]  # noqa: E731
+    rows = read()
+    assert [(r["step"], r["split"]) for r in rows] == [(0, "val")] * 3 + [(1, "train"), (2, "train"), (3, "train")] + [
+        (3, "val")] * 3
+    assert rows[0] == {"step": 0, "split": "val", "task": "math", "prompt": "line one\n0+1=", "completion": "1v",
+                       "reward": None, "ground_truth": 1}  # NaN reward (unscorable) as null
+    # Two of the three validation samples printed (a block per validation), newlines shown as \n.
+    printed = [x for x in lines if "validation samples" in x]
+    assert len(printed) == 2 and printed[0].startswith("[nemo_like] validation samples at step 0 (2 of 3):")
+    assert printed[0].count("completion:") == 2
+    assert "reward -  prompt: line one\\n0+1=" in printed[0] and "completion: 2v" in printed[0]
+
+    resumed = Logger(cfg, print_fn=lines.append)
+    resumed.keep_steps_up_to(2)
+    assert [(r["step"], r["split"]) for r in read()] == [(0, "val")] * 3 + [(1, "train"), (2, "train")]
+    resumed.log_samples(_rows(1, "again"), step=3, split="train")
+    resumed.close()
+    assert read()[-1]["completion"] == "1again"
+    fresh = Logger(cfg, print_fn=lines.append)  # a run from step 0 in the same log_dir: both files aside
+    fresh.set_aside_previous_rows()
+    fresh.close()
+    assert not (tmp_path / "logs" / "samples.jsonl").exists()
+    assert len((tmp_path / "logs" / "samples.prev1.jsonl").read_text().splitlines()) == 6
+    quiet = Logger(_cfg(tmp_path, log_val_samples=False, jsonl_enabled=False))
+    assert (quiet.wants_samples("val"), quiet.wants_samples("train")) == (0, 0)  # stdout off, nothing printed
+    quiet.close()
