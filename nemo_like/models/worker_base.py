@@ -5,8 +5,9 @@ plain data-parallel replicas, gradient clipping, and AdamW with a LambdaLR sched
 A subclass calls ``_setup_process`` first and sets ``self.model`` (the module it trains) and
 ``self.sharded`` (FSDP2 or not). Every rank starts from one model (``_broadcast_from_rank0`` for
 what is random at start). With several ranks and no FSDP the ranks are replicas that average their
-gradients before clipping (``_clip_grads``), as PyTorch's DDP would: ``fsdp: false`` changes the
-memory a rank holds, not the update.
+gradients before clipping (``_clip_grads``), as PyTorch's DDP would: at float32, ``fsdp: false``
+changes the memory a rank holds, not the update (a lower precision is autocast there, FSDP's
+parameter cast when sharded: the two round differently).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class TrainingWorkerBase:
     def _broadcast_from_rank0(self, model: nn.Module, names) -> None:
         """Before sharding: the parameters ``names`` of ``model`` (a new head, LoRA adapters: random
         per process) made rank 0's on every rank, so the ranks start from one model, as one rank would."""
-        if self.world_size == 1:
+        if self.world_size == 1 or not names:  # (every rank computes the same names)
             return
         wanted = set(names)
         with torch.no_grad():

@@ -171,14 +171,14 @@ class Logger:
         """How many of a ``split`` ("val" or "train") batch's samples ``log_samples`` would use: 0 for
         none, None for all."""
         if split == "val":
-            if self.cfg.jsonl_enabled and self.cfg.log_val_samples:
-                return None
-            return self.cfg.num_val_samples_to_print if self.cfg.stdout_enabled else 0
+            written = self.cfg.jsonl_enabled and self.cfg.log_val_samples
+            return None if written or (self.cfg.stdout_enabled and self.cfg.num_val_samples_to_print) else 0
         return self.cfg.num_train_samples_to_log if self.cfg.jsonl_enabled else 0
 
     def log_samples(self, rows: list[Mapping[str, Any]], step: int, split: str) -> None:
         """Rows of samples (``nemo_like.experience.samples.sample_rows``) of ``step`` to samples.jsonl,
-        and for "val" the first ``num_val_samples_to_print`` to stdout."""
+        and for "val" the first ``num_val_samples_to_print`` to stdout. A value JSON cannot hold
+        (NaN, a tensor, a tuple key) is written as null or as text: a side log never stops a run."""
         if self._closed:
             raise RuntimeError("Logger.log_samples called after close()")
         if split == "val" and self.cfg.stdout_enabled and (n := self.cfg.num_val_samples_to_print):
@@ -189,10 +189,9 @@ class Logger:
             return
         if self._samples is None:
             self._samples = self._open_jsonl_for_append(self.samples_path)
-        for row in rows[:keep]:
-            plain = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-            self._samples.write(json.dumps({"step": int(step), "split": split} | plain, default=str,
-                                           allow_nan=False) + "\n")
+        lines = [json.dumps(_json_safe({"step": int(step), "split": split} | dict(row)), allow_nan=False) + "\n"
+                 for row in rows[:keep]]
+        self._samples.writelines(lines)
         self._samples.flush()
 
     @staticmethod
@@ -277,7 +276,7 @@ class Logger:
     def _trim_samples(self, step: int) -> None:
         """samples.jsonl without the rows of steps after ``step`` (a crashed run's; they come again)."""
         path = self.samples_path
-        if not path.exists():
+        if not (self.cfg.jsonl_enabled and path.exists()):
             return
         if self._samples is not None:
             self._samples.close()
@@ -294,35 +293,45 @@ class Logger:
                 kept.append(line if line.endswith("\n") else line + "\n")
         if len(kept) != len(lines):
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
 
     def set_aside_previous_rows(self) -> Path | None:
         """For a run that starts at step 0: an earlier run's metrics.jsonl in the same log_dir (one
         that crashed before its first checkpoint, or ran without checkpoints) is renamed to
         ``metrics.prev<N>.jsonl``, so this run's file holds each of its steps once and the earlier
-        rows are kept, not mixed in. TensorBoard hides the earlier run's events. Returns the new name."""
+        rows are kept, not mixed in; its samples.jsonl goes to ``samples.prev<N>.jsonl``, the same N.
+        TensorBoard hides the earlier run's events. Returns the metrics file's new name (None: none moved)."""
         if self._closed:
             raise RuntimeError("Logger.set_aside_previous_rows called after close()")
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None
         self._tb_purge_step = 0
-        samples = self.samples_path
-        if samples.exists() and samples.stat().st_size > 0:  # the earlier run's samples go aside with its metrics
-            if self._samples is not None:
-                self._samples.close()
-                self._samples = None
-            os.replace(samples, _free_aside_name(samples))
-        path = self.metrics_path
-        if self._jsonl is None or not path.exists() or path.stat().st_size == 0:
+        path, samples = self.metrics_path, self.samples_path
+        move = [p for p, on in ((path, self._jsonl is not None), (samples, self.cfg.jsonl_enabled))
+                if on and p.exists() and p.stat().st_size > 0]
+        if not move:
             return None
-        self._jsonl.close()
-        aside = _free_aside_name(path)
-        os.replace(path, aside)
-        self._jsonl = open(path, "a", encoding="utf-8")
-        self.print_fn(f"[nemo_like] {path} held an earlier run's rows (no checkpoint to resume): moved to {aside.name}")
-        return aside
+        # One number for both files, so metrics.prevN and samples.prevN are the same earlier run.
+        n = 1
+        while any(_aside_name(p, n).exists() for p in (path, samples)):
+            n += 1
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+        for p in move:
+            os.replace(p, _aside_name(p, n))
+        if self._jsonl is not None:
+            self._jsonl = open(path, "a", encoding="utf-8")
+        moved = ", ".join(f"{p.name} to {_aside_name(p, n).name}" for p in move)
+        self.print_fn(f"[nemo_like] {self.log_dir} held an earlier run's rows (no checkpoint to resume): moved {moved}")
+        return _aside_name(path, n) if path in move else None
 
     def _tensorboard(self):
         if self._tb_writer is None:
@@ -458,12 +467,29 @@ class Logger:
         self.close()
 
 
-def _free_aside_name(path: Path) -> Path:
-    """``<stem>.prev<N><suffix>`` beside ``path``, the first N not taken."""
-    n = 1
-    while (aside := path.with_name(f"{path.stem}.prev{n}{path.suffix}")).exists():
-        n += 1
-    return aside
+def _aside_name(path: Path, n: int) -> Path:
+    """``<stem>.prev<n><suffix>`` beside ``path``."""
+    return path.with_name(f"{path.stem}.prev{n}{path.suffix}")
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made plain: non-finite floats as null, numpy and torch
+    scalars as numbers, tensors and arrays as lists, tuples as lists, keys as strings, anything else
+    that is not a JSON type as its ``str``."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str) else str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic | np.ndarray) or hasattr(value, "tolist"):
+        try:
+            return _json_safe(value.tolist())
+        except Exception:  # a tolist that does not give plain values: fall through to str
+            pass
+    return str(value)
 
 
 def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -87,7 +87,7 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
                                                        trust_remote_code=config.trust_remote_code)
-        # Master weights stay fp32; bf16/fp16 is applied as FSDP mixed precision for compute.
+        # Master weights stay fp32; bf16/fp16 is FSDP mixed precision for compute (unsharded: autocast).
         model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32,
                                                      trust_remote_code=config.trust_remote_code)
         model.to(self.device)
@@ -96,13 +96,16 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
         self._attention_ratio = attention_cost_ratio(model.config)  # for packing's row length
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable()
-        if config.lora.enabled:  # adapters go in before sharding: FSDP2 shards them with their layer
-            model = apply_lora(model, config.lora, config.model_name)
-            self._broadcast_from_rank0(model, [n for n, p in model.named_parameters() if p.requires_grad])
         # FSDP2 on one rank shards nothing but still pays for its hooks and DTensor optimizer steps
         # (measured back to back: 8-15% slower per SFT step of the tiny model); it stays on for one
         # rank only where it supplies mixed precision. Off, several ranks are replicas (worker_base).
         self.sharded = config.fsdp and (self.world_size > 1 or config.precision != "float32")
+        if config.lora.enabled:  # adapters go in before sharding: FSDP2 shards them with their layer
+            model = apply_lora(model, config.lora, config.model_name)
+        # Every rank starts from rank 0's model: replicas get all of it (as DDP does: a weight the
+        # checkpoint lacks is random per process), sharded ranks the random adapters.
+        self._broadcast_from_rank0(model, [n for n, p in model.named_parameters()
+                                           if self.replicas or (config.lora.enabled and p.requires_grad)])
         layers = getattr(getattr(hf_model(model), "model", None), "layers", None)
         self.model = self._fully_shard(model, layers, config.precision) if self.sharded else model
         self._prefix_cache = make_prefix_cache(config)  # next turns reuse their episode's KV
@@ -410,7 +413,6 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
                                f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
                                f"{' ...' if len(unexpected) > 10 else ''}")
         set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
-
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:

@@ -165,7 +165,7 @@ class PolicyConfig(BaseModel):
     max_grad_norm: float | None = 1.0
     # HF backend: FSDP2 over the workers (sharded weights, gradients and optimizer state; with one worker
     # only for a precision other than float32). Off: every worker holds the whole model and the workers
-    # average their gradients (plain data parallel, as DDP): the same update, more memory per worker.
+    # average their gradients (plain data parallel, as DDP): at float32 the same update, more memory.
     fsdp: bool = True
     # Recompute activations in the backward pass instead of keeping them: less memory, more compute
     # (not on the Megatron backend).

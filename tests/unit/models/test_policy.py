@@ -143,7 +143,7 @@ def test_scheduler_factors():
         SchedulerConfig(decay="linear", warmup_steps=5, total_steps=5)
 
 
-def test_single_worker_trains_on_decayed_lr_and_round_trips(model_dir, tmp_path):
+def test_single_worker_trains_on_decayed_lr_and_round_trips(ray_session, model_dir, tmp_path):
     """One rank trains without FSDP (it would shard nothing); the lr follows the schedule and a
     checkpoint of the unsharded model loads back into the same logprobs."""
     from transformers import AutoTokenizer
@@ -175,7 +175,7 @@ def test_single_worker_trains_on_decayed_lr_and_round_trips(model_dir, tmp_path)
         one.shutdown()
 
 
-def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(model_dir, tmp_path):
+def test_length_sorted_micro_batches_give_the_same_update_as_one_batch(ray_session, model_dir, tmp_path):
     """Several micro-batches are regrouped by length and cut to their own longest sample; the
     update must equal that of the whole batch in one pass (same start, same data)."""
     from transformers import AutoTokenizer

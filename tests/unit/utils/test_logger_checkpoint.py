@@ -456,11 +456,34 @@ def test_samples_go_to_samples_jsonl_print_and_follow_a_resume(tmp_path):
     resumed.log_samples(_rows(1, "again"), step=3, split="train")
     resumed.close()
     assert read()[-1]["completion"] == "1again"
-    fresh = Logger(cfg, print_fn=lines.append)  # a run from step 0 in the same log_dir: both files aside
-    fresh.set_aside_previous_rows()
+    # A run from step 0 in the same log_dir: both files aside under one number (metrics.prev1 was
+    # taken by an older run without samples, so both become prev2).
+    logs = tmp_path / "logs"
+    (logs / "metrics.jsonl").rename(logs / "metrics.prev1.jsonl")
+    (logs / "metrics.jsonl").write_text('{"step": 0}\n')
+    fresh = Logger(cfg, print_fn=lines.append)
+    assert fresh.set_aside_previous_rows() == logs / "metrics.prev2.jsonl"
     fresh.close()
-    assert not (tmp_path / "logs" / "samples.jsonl").exists()
-    assert len((tmp_path / "logs" / "samples.prev1.jsonl").read_text().splitlines()) == 6
+    assert not (logs / "samples.jsonl").exists() and not (logs / "samples.prev1.jsonl").exists()
+    assert len((logs / "samples.prev2.jsonl").read_text().splitlines()) == 6
+    assert lines[-1].endswith("moved metrics.jsonl to metrics.prev2.jsonl, samples.jsonl to samples.prev2.jsonl")
     quiet = Logger(_cfg(tmp_path, log_val_samples=False, jsonl_enabled=False))
     assert (quiet.wants_samples("val"), quiet.wants_samples("train")) == (0, 0)  # stdout off, nothing printed
     quiet.close()
+    # Printing only (no file): the block still counts the whole validation.
+    printing = Logger(_cfg(tmp_path, stdout_enabled=True, jsonl_enabled=False, num_val_samples_to_print=1),
+                      print_fn=lines.append)
+    assert printing.wants_samples("val") is None
+    printing.log_samples(_rows(3, "p"), step=5, split="val")
+    assert lines[-1].startswith("[nemo_like] validation samples at step 5 (1 of 3):")
+    printing.close()
+
+
+def test_a_sample_value_json_cannot_hold_is_written_plainly_not_raised(tmp_path):
+    with Logger(_cfg(tmp_path)) as logger:
+        row = {"task": "t", "ground_truth": [1.0, math.nan], "meta": {("a", 1): math.inf, "t": torch.tensor([1, 2]),
+                                                                      "s": np.float32("nan"), "obj": object}}
+        logger.log_samples([row], step=1, split="val")
+    got = json.loads((tmp_path / "logs" / "samples.jsonl").read_text())
+    assert got["ground_truth"] == [1.0, None]
+    assert got["meta"] == {"('a', 1)": None, "t": [1, 2], "s": None, "obj": str(object)}
