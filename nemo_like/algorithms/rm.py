@@ -35,6 +35,9 @@ class MathPairsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # "far": any other number; "near": off by one or ten, or two digits swapped (much harder to tell).
     wrong: Literal["far", "near"] = "far"
+    # The share of pairs whose rejected side is the right answer made unreadable (a non-digit in it, an
+    # empty box, no box) instead of a wrong number: teaches the model what the verifier scores 0.
+    malformed: float = Field(0.0, ge=0.0, le=1.0)
     num_train: int = Field(2000, gt=0)
     num_validation: int = Field(500, gt=0)
     seed: int = 0
@@ -117,8 +120,10 @@ def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair
                                                           max_value=99, ops=["+"]))
         return [dict(r) for r in ds]
 
-    return (math_preference_pairs(rows("train", m.num_train, m.seed + 1), seed=m.seed, wrong=m.wrong),
-            math_preference_pairs(rows("validation", m.num_validation, m.seed + 2), seed=m.seed + 1, wrong=m.wrong))
+    return (math_preference_pairs(rows("train", m.num_train, m.seed + 1), seed=m.seed, wrong=m.wrong,
+                                  malformed=m.malformed),
+            math_preference_pairs(rows("validation", m.num_validation, m.seed + 2), seed=m.seed + 1, wrong=m.wrong,
+                                  malformed=m.malformed))
 
 
 def resolve_model(name: str) -> str:

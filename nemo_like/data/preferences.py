@@ -26,6 +26,7 @@ import torch
 
 from nemo_like.data.errors import DataError
 from nemo_like.data.processors import render_chat, tokenize_text
+from nemo_like.environments.math_environment import verify_math_answer
 
 __all__ = ["PreferencePair", "load_preference_pairs", "math_preference_pairs", "tokenize_pairs"]
 
@@ -117,21 +118,55 @@ def _far_miss(answer: int, rng: random.Random, high: int) -> int:
     return wrong
 
 
-def math_preference_pairs(problems: list[dict[str, Any]], seed: int = 0, wrong: str = "far") -> list[PreferencePair]:
+# What a malformed answer is made of: characters that are not digits (a policy gaming a reward model
+# trained on numbers only was seen to fill the box with brackets and letters, docs/performance.md).
+_NOT_DIGITS = "()[]<>!?;:'\"_|&%$#@~^IOoSlZzBxe"
+
+
+def _malformed(answer: int, rng: random.Random) -> str:
+    """The right answer made unreadable: a digit replaced or a character added (both non-digits), the
+    box emptied, or the number given without its box; always one the math verifier scores 0 (a
+    character it would read past, such as a trailing period, is drawn again)."""
+    s = str(answer)
+    for _ in range(20):
+        kind = rng.randrange(4)
+        if kind == 0:
+            i = rng.randrange(len(s))
+            out = f"\\boxed{{{s[:i] + rng.choice(_NOT_DIGITS) + s[i + 1:]}}}"
+        elif kind == 1:
+            i = rng.randrange(len(s) + 1)
+            out = f"\\boxed{{{s[:i] + rng.choice(_NOT_DIGITS) + s[i:]}}}"
+        else:
+            out = "\\boxed{}" if kind == 2 else s
+        if verify_math_answer(out, s) == 0.0:
+            return out
+    return "\\boxed{}"
+
+
+def math_preference_pairs(problems: list[dict[str, Any]], seed: int = 0, wrong: str = "far",
+                          malformed: float = 0.0) -> list[PreferencePair]:
     """One pair per arithmetic problem (``problem``, ``expected_answer``): the right answer in the
     task's ``\\boxed{}`` format against a wrong one. ``wrong="far"``: any other number up to twice
     the largest answer; ``"near"``: a near miss (off by one or ten, two digits swapped), which a
-    model can only tell apart by checking the sum digit by digit."""
+    model can only tell apart by checking the sum digit by digit. ``malformed``: the share of pairs
+    (drawn at random) whose rejected side is the right answer made unreadable instead (a non-digit in
+    or added to it, an empty box, no box): what the task's verifier scores 0 however close it looks."""
     if wrong not in ("far", "near"):
         raise ValueError(f"wrong must be 'far' or 'near', got {wrong!r}")
+    if not 0.0 <= malformed <= 1.0:
+        raise ValueError(f"malformed must be a share between 0 and 1, got {malformed!r}")
     rng = random.Random(seed)
     high = 2 * max((int(r["expected_answer"]) for r in problems), default=1) + 1
     pairs = []
     for row in problems:
         answer = int(row["expected_answer"])
-        wrong_answer = _near_miss(answer, rng) if wrong == "near" else _far_miss(answer, rng, high)
+        if malformed and rng.random() < malformed:
+            rejected = _malformed(answer, rng)
+        else:
+            wrong_answer = _near_miss(answer, rng) if wrong == "near" else _far_miss(answer, rng, high)
+            rejected = f"\\boxed{{{wrong_answer}}}"
         pairs.append(PreferencePair((("user", row["problem"]),), (("assistant", f"\\boxed{{{answer}}}"),),
-                                    (("assistant", f"\\boxed{{{wrong_answer}}}"),)))
+                                    (("assistant", rejected),)))
     return pairs
 
 

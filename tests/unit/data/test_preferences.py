@@ -4,6 +4,7 @@ the chosen/rejected rows the reward model trains on."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -65,6 +66,27 @@ def test_math_pairs_put_the_right_sum_against_a_near_or_a_far_miss():
         wrong = int(pair.rejected[0][1][len("\\boxed{"):-1])
         assert wrong != answer and wrong >= 0
         assert abs(wrong - answer) in (1, 10) or sorted(str(wrong)) == sorted(str(answer))
+
+
+def test_malformed_share_rejects_unreadable_right_answers_the_verifier_scores_0():
+    from nemo_like.environments.math_environment import verify_math_answer
+
+    rows = [{"problem": f"{a}+{b}=", "expected_answer": str(a + b)} for a in range(0, 100, 3) for b in range(0, 100, 11)]
+    pairs = math_preference_pairs(rows, seed=0, malformed=0.5)
+    assert math_preference_pairs(rows, seed=0, malformed=0.5) == pairs  # seeded
+    bad = [p for p in pairs if not re.fullmatch(r"\\boxed\{\d+\}", p.rejected[0][1])]
+    assert 0.4 < len(bad) / len(pairs) < 0.6
+    kinds = {"empty": 0, "unboxed": 0, "non-digit": 0}
+    for row, p in zip(rows, pairs, strict=True):
+        rejected = p.rejected[0][1]
+        assert p.chosen == (("assistant", f"\\boxed{{{row['expected_answer']}}}"),)
+        assert verify_math_answer(rejected, row["expected_answer"]) == 0.0  # never right by another spelling
+        if p in bad:
+            kinds["empty" if rejected == "\\boxed{}" else "unboxed" if rejected.isdigit() else "non-digit"] += 1
+    assert all(n > 10 for n in kinds.values()), kinds
+    assert math_preference_pairs(rows, seed=0) == math_preference_pairs(rows, seed=0, malformed=0.0)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        math_preference_pairs(rows, malformed=1.5)
 
 
 def test_tokenized_pairs_interleave_chosen_and_rejected_and_count_cuts(model_dir, tmp_path):
