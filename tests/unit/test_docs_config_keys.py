@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("policy", "grpo", "cluster", "data", "env", "logger", "checkpointing", "loss_fn", "critic",
             "reward_model", "bootstrap", "trainer")
 CODE = re.compile(r"`([^`\n]+)`")
-KEY = re.compile(r"^(?:%s)(?:\.[A-Za-z_][A-Za-z0-9_]*)+" % "|".join(SECTIONS))
+KEY = re.compile(r"^(?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 FILE_SUFFIXES = (".py", ".yaml", ".md", ".json", ".jsonl", ".safetensors", ".pt")
 
 
