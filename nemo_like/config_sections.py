@@ -76,6 +76,10 @@ class CollapseStopConfig(_Strict):
     truncation_rate: float = Field(0.9, ge=0, le=1)  # generation collapse: at least this truncated...
     reward_floor: float = 0.0  # ...and mean reward at most this
     zero_std_group_frac: float = Field(0.99, gt=0, le=1)  # advantage collapse: this share of groups flat
+    # Reward hacking (runs with a reward model): the environments' own reward (rm/env_reward_mean, the
+    # verifier's verdict) at most this share of its best so far, while the reward model's score
+    # (rm/score_mean) is above what it was at that best. None: not watched.
+    gold_drop: float | None = Field(0.5, gt=0, lt=1)
 
 
 class AsyncRolloutsConfig(_Strict):

@@ -9,6 +9,7 @@ learning; the most common way runs die in peers' issue trackers is exactly this,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -79,19 +80,35 @@ def merge_rounds(rounds: list[tuple[BatchedDataDict, dict[str, float]]], keep: l
 
 class CollapseWatch:
     """Counts consecutive steps showing a collapse signature; ``observe`` returns the reason once a
-    signature lasted ``patience`` steps, else None. Counters are plain ints: saved in checkpoints.
+    signature lasted ``patience`` steps, else None. Its state (counters, the best gold) is saved in
+    checkpoints.
 
     - generation collapse: truncation rate >= ``truncation_rate`` and mean reward <= ``reward_floor``
       (the model only produces junk that runs to the length cap);
     - advantage collapse: the fraction of groups with equal rewards >= ``zero_std_group_frac``
-      (nothing left that gives a gradient).
+      (nothing left that gives a gradient);
+    - reward hacking (with a reward model): the environments' reward (the gold, ``rm/env_reward_mean``)
+      at most ``gold_drop`` of its best so far while the reward model's score (``rm/score_mean``) is
+      above its value at that best: the policy learns what the reward model likes, not the task.
     """
 
-    SIGNATURES = ("generation_collapse", "advantage_collapse")
+    SIGNATURES = ("generation_collapse", "advantage_collapse", "reward_hacking")
 
     def __init__(self, config: Any) -> None:
         self.config = config
         self.counts = dict.fromkeys(self.SIGNATURES, 0)
+        self.best_gold: tuple[float, float, int] | None = None  # (gold, score then, step)
+
+    def _hacking(self, metrics: dict[str, float], step: int) -> bool:
+        gold, score = metrics.get("rm/env_reward_mean"), metrics.get("rm/score_mean")
+        if self.config.gold_drop is None or gold is None or score is None or not (
+                math.isfinite(gold) and math.isfinite(score)):
+            return False
+        if self.best_gold is None or gold > self.best_gold[0]:
+            self.best_gold = (gold, score, step)
+            return False
+        best, score_then, _ = self.best_gold
+        return best > 0 and gold <= self.config.gold_drop * best and score > score_then
 
     def observe(self, metrics: dict[str, float], step: int) -> str | None:
         c = self.config
@@ -101,6 +118,7 @@ class CollapseWatch:
             "generation_collapse": metrics.get("train/truncation_rate", 0.0) >= c.truncation_rate
             and metrics.get("train/reward_mean", 0.0) <= c.reward_floor,
             "advantage_collapse": metrics.get("train/zero_std_group_frac", 0.0) >= c.zero_std_group_frac,
+            "reward_hacking": self._hacking(metrics, step),
         }
         for sig, hit in seen.items():
             self.counts[sig] = self.counts[sig] + 1 if hit else 0
@@ -109,15 +127,23 @@ class CollapseWatch:
                 if sig == "generation_collapse":
                     why = (f"truncation rate {metrics.get('train/truncation_rate', 0.0):.2f} >= {c.truncation_rate} "
                            f"and mean reward {metrics.get('train/reward_mean', 0.0):.3f} <= {c.reward_floor}")
-                else:
+                elif sig == "advantage_collapse":
                     why = (f"{metrics.get('train/zero_std_group_frac', 0.0):.2f} of groups have equal rewards "
                            f"(>= {c.zero_std_group_frac})")
+                else:
+                    best, score_then, best_step = self.best_gold
+                    why = (f"the environments' reward (rm/env_reward_mean) is {metrics['rm/env_reward_mean']:.3f}, "
+                           f"at most {c.gold_drop} of its best {best:.3f} (step {best_step}), while the reward "
+                           f"model's score (rm/score_mean) rose from {score_then:.3f} to {metrics['rm/score_mean']:.3f}")
                 return (f"{sig} at step {step}: {why} for {self.counts[sig]} consecutive steps "
-                        f"(grpo.stop_on_collapse.patience={c.patience})")
+                        f"(grpo.stop_on_collapse.patience={c.patience}"
+                        + (f", gold_drop={c.gold_drop}; null turns this check off)" if sig == "reward_hacking" else ")"))
         return None
 
-    def state_dict(self) -> dict[str, int]:
-        return dict(self.counts)
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.counts) | {"best_gold": list(self.best_gold) if self.best_gold is not None else None}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counts = {sig: int(state.get(sig, 0)) for sig in self.SIGNATURES}
+        best = state.get("best_gold")  # absent in checkpoints from before the reward-hacking watch
+        self.best_gold = (float(best[0]), float(best[1]), int(best[2])) if best is not None else None

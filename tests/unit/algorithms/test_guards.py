@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
+from nemo_like.config_sections import CollapseStopConfig
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -45,7 +45,7 @@ def test_merge_rounds_takes_kept_groups_in_order_then_fills_with_no_loss_groups(
 
 def _cfg(**kw):
     base = dict(enabled=True, patience=3, truncation_rate=0.9, reward_floor=0.0, zero_std_group_frac=0.99)
-    return SimpleNamespace(**(base | kw))
+    return CollapseStopConfig(**(base | kw))
 
 
 def test_collapse_watch_needs_patience_consecutive_steps_per_signature():
@@ -66,7 +66,7 @@ def test_collapse_watch_needs_patience_consecutive_steps_per_signature():
     w3 = CollapseWatch(_cfg(patience=2))
     w3.observe(flat, 1)
     state = w3.state_dict()
-    assert state == {"generation_collapse": 0, "advantage_collapse": 1}
+    assert state == {"generation_collapse": 0, "advantage_collapse": 1, "reward_hacking": 0, "best_gold": None}
     w4 = CollapseWatch(_cfg(patience=2))
     w4.load_state_dict(state)
     assert w4.observe(flat, 2) is not None
@@ -90,3 +90,34 @@ def test_inert_samples_are_those_that_cannot_move_the_weights():
     # Per-token advantages: inert only where every loss token's is 0 (the prompt's does not count).
     data["advantages"] = torch.tensor([[9.0, 0.0, 0.1], [9.0, 0.0, 0.0], [0, 0, 0], [1, 1, 1], [0, 0, 0.0]])
     assert inert_samples(data, no_kl).tolist() == [False, True, True, True, True]
+
+
+def test_reward_hacking_is_gold_falling_while_the_reward_models_score_rises():
+    """The over-optimisation run's shape (docs/performance.md): the verifier's reward falls from its
+    best while the reward model's score climbs; a dip with the score not above its value then, a gold
+    that never was above 0, and runs without a reward model are not it."""
+    def m(gold, score):
+        return {"rm/env_reward_mean": gold, "rm/score_mean": score, "train/zero_std_group_frac": 0.5}
+
+    w = CollapseWatch(_cfg(patience=3))
+    assert w.observe(m(0.60, -0.2), 1) is None and w.observe(m(0.62, 0.1), 2) is None  # best: 0.62 at step 2
+    assert w.observe(m(0.30, 0.0), 3) is None  # half of the best, but the score is below its value then
+    assert w.observe(m(0.31, 0.9), 4) is None and w.observe(m(0.20, 1.4), 5) is None
+    state = w.state_dict()
+    assert state["reward_hacking"] == 2 and state["best_gold"] == [0.62, 0.1, 2]
+    resumed = CollapseWatch(_cfg(patience=3))
+    resumed.load_state_dict(state)  # counters and the best gold come back with a checkpoint
+    reason = resumed.observe(m(0.13, 1.41), 6)
+    assert reason == ("reward_hacking at step 6: the environments' reward (rm/env_reward_mean) is 0.130, at most 0.5 "
+                      "of its best 0.620 (step 2), while the reward model's score (rm/score_mean) rose from 0.100 "
+                      "to 1.410 for 3 consecutive steps (grpo.stop_on_collapse.patience=3, gold_drop=0.5; null turns "
+                      "this check off)")
+    never = CollapseWatch(_cfg(patience=1))
+    assert [never.observe(m(0.0, s), i) for i, s in enumerate((0.0, 1.0, 2.0))] == [None] * 3  # no gold to lose
+    assert never.observe({"train/zero_std_group_frac": 0.5}, 4) is None  # no reward model
+    assert never.observe(m(float("nan"), 3.0), 5) is None  # nothing scorable this step
+    off = CollapseWatch(_cfg(patience=1, gold_drop=None))
+    assert off.observe(m(0.6, 0.0), 1) is None and off.observe(m(0.0, 5.0), 2) is None
+    old = CollapseWatch(_cfg())
+    old.load_state_dict({"generation_collapse": 1, "advantage_collapse": 0})  # a checkpoint from before
+    assert old.best_gold is None and old.counts["reward_hacking"] == 0
