@@ -137,12 +137,10 @@ class MasterConfig(UserImports):
     @model_validator(mode="before")
     @classmethod
     def _schedule_spans_the_run(cls, data: Any) -> Any:
-        """``policy.scheduler.total_steps: auto``: the run's optimizer steps, so a decay still ends
-        at the last step when ``grpo.max_num_steps`` or a batch size is overridden."""
-        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict):
-            return data
-        sched = data["policy"].get("scheduler")
-        if not isinstance(sched, dict) or sched.get("total_steps") != "auto":
+        """``scheduler.total_steps: auto`` (``policy.`` or ``critic.``): that model's optimizer steps over
+        the run, so a decay still ends at the last step when ``grpo.max_num_steps`` or a batch size is
+        overridden. The critic trains every step (its warm-up too), ``critic.ppo_epochs`` passes each."""
+        if not isinstance(data, dict):
             return data
         g = data.get("grpo") or {}
         if not isinstance(g, dict):
@@ -151,15 +149,24 @@ class MasterConfig(UserImports):
         def get(d: dict, model: type[BaseModel], key: str) -> Any:
             return d[key] if key in d else model.model_fields[key].default
 
-        try:
-            completions = int(get(g, GRPOConfig, "num_prompts_per_step")) * int(get(g, GRPOConfig, "num_generations_per_prompt"))
-            per_step = max(1, completions // int(data["policy"]["train_global_batch_size"]))
-            # At least one step past warmup: a run of 0 steps (validation only) still validates.
-            total = max(int(get(g, GRPOConfig, "max_num_steps")) * per_step, int(sched.get("warmup_steps", 0)) + 1)
-        except (KeyError, TypeError, ValueError):
-            return data  # the fields' own validation names what is wrong
-        data = dict(data)
-        data["policy"] = dict(data["policy"]) | {"scheduler": dict(sched) | {"total_steps": total}}
+        for section in ("policy", "critic"):
+            part = data.get(section)
+            sched = part.get("scheduler") if isinstance(part, dict) else None
+            if not isinstance(sched, dict) or sched.get("total_steps") != "auto":
+                continue
+            try:
+                completions = int(get(g, GRPOConfig, "num_prompts_per_step")) * int(
+                    get(g, GRPOConfig, "num_generations_per_prompt"))
+                gbs = part.get("train_global_batch_size") if section == "critic" else None
+                gbs = gbs or data["policy"]["train_global_batch_size"]
+                passes = int(part.get("ppo_epochs", 1)) if section == "critic" else 1
+                per_step = max(1, completions // int(gbs)) * passes
+                # At least one step past warmup: a run of 0 steps (validation only) still validates.
+                total = max(int(get(g, GRPOConfig, "max_num_steps")) * per_step, int(sched.get("warmup_steps", 0)) + 1)
+            except (KeyError, TypeError, ValueError):
+                continue  # the fields' own validation names what is wrong
+            data = dict(data)
+            data[section] = dict(part) | {"scheduler": dict(sched) | {"total_steps": total}}
         return data
 
     @model_validator(mode="after")

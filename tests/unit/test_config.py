@@ -35,6 +35,13 @@ def test_auto_schedule_spans_the_run():
     assert fixed.policy.scheduler.total_steps == 50
     with pytest.raises(ConfigError, match="policy.scheduler.total_steps"):
         load_config(TINY, ["policy.scheduler.total_steps=soon"])
+    # The critic's: its own global batch and passes (64 x 2 = 128 completions; 2 batches of 64, 2 passes).
+    ppo = ROOT / "examples" / "configs" / "ppo_math_tiny.yaml"
+    critic = load_config(ppo, ["critic.scheduler.decay=linear", "critic.scheduler.total_steps=auto",
+                               "critic.ppo_epochs=2", "critic.train_global_batch_size=64"]).critic
+    assert critic.scheduler.total_steps == 100 * 2 * 2
+    same_batch = load_config(ppo, ["critic.scheduler.decay=cosine", "critic.scheduler.total_steps=auto"]).critic
+    assert same_batch.scheduler.total_steps == 100 * max(1, 128 // load_config(ppo).policy.train_global_batch_size)
 
 
 def test_defaults_chain_and_cycle(tmp_path):

@@ -34,7 +34,7 @@ class CriticConfig(BaseModel):
     forward_micro_batch_size: int = 32
     # The critic's AdamW; lr defaults to 1e-5 here, not to OptimizerConfig's 1e-4.
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-5)
-    # Its own schedule, in critic optimizer steps ("auto" total_steps is for policy.scheduler only).
+    # Its own schedule, in critic optimizer steps (total_steps "auto": all of the run's).
     scheduler: SchedulerConfig = SchedulerConfig()
     # Clip the gradient's global L2 norm to this before each optimizer step; None: no clipping.
     max_grad_norm: float | None = 1.0

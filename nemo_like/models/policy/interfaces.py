@@ -37,7 +37,7 @@ class SchedulerConfig(BaseModel):
     # After warmup: "constant" lr, or "cosine"/"linear" decay to min_lr_ratio x lr at total_steps.
     decay: Literal["constant", "cosine", "linear"] = "constant"
     # Optimizer step at which the decay ends, warmup included (needed by cosine and linear).
-    # policy.scheduler only: "auto" is the whole GRPO run.
+    # policy.scheduler and critic.scheduler: "auto" is the whole GRPO run.
     total_steps: int | None = Field(None, gt=0)
     # The learning rate the decay ends at, as a fraction of lr.
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
