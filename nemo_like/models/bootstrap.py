@@ -109,9 +109,10 @@ def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
         "model_name": str(tmp), "tokenizer_name": str(tmp), "train_global_batch_size": s.batch_size,
         "train_micro_batch_size": min(s.micro_batch_size, s.batch_size),
         "optimizer": cfg.policy.optimizer.model_copy(update={"lr": s.lr}),
-        # The base model is built by the recipe its cache key names: the GRPO run's packing or
-        # token budgets (same update, other rounding) must not change it.
+        # The base model is built by the recipe its cache key names: the GRPO run's packing, token
+        # budgets or batch balancing (same update, other rounding) must not change it.
         "sequence_packing": SequencePackingConfig(), "dynamic_batching": DynamicBatchingConfig(),
+        "balance_batch": False,
         # The base model is trained whole from random weights; a GRPO run's LoRA adapts it afterwards.
         "lora": LoraConfig(),
         "scheduler": SchedulerConfig(warmup_steps=s.warmup_steps, decay=s.lr_decay if s.num_steps > s.warmup_steps else "constant",

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import torch
 
+from nemo_like.distributed.balance import balanced_permutation, prompt_group_size, shard_token_imbalance
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
@@ -41,15 +42,29 @@ class Policy(PolicyInterface, GenerationInterface):
         if weights_path:
             self.load_checkpoint(weights_path)
 
+    def _balanced(self, data: BatchedDataDict, batch_size: int | None) -> tuple[BatchedDataDict, torch.Tensor | None]:
+        """``data`` reordered so that each worker gets about the same tokens of every global batch
+        (``policy.balance_batch``), and the permutation (None: left as it is)."""
+        if not (self.cfg.balance_batch and self.world_size > 1 and "input_lengths" in data):
+            return data, None
+        unit = prompt_group_size(data["input_ids"], data.get("token_mask"))
+        perm = balanced_permutation(data["input_lengths"], self.world_size, batch_size, unit)
+        return data.select_indices(perm), perm
+
     # Every worker must receive the same number of rows (FSDP collectives run in lock step), so
     # the batch is padded with copies of row 0 and the padding dropped from the results.
     def _run_sharded(self, method: str, data: BatchedDataDict, **kwargs) -> BatchedDataDict:
         n = data.size
         pad = (-n) % self.world_size
+        perm = None
         if pad:
             data = BatchedDataDict.from_batches([data, data.select_indices([0] * pad)])
+        elif method != "generate":  # (a generation's cost is its unknown output)
+            data, perm = self._balanced(data, None)
         refs = self.worker_group.run_all_workers_sharded_data(method, data, **kwargs)
         out = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(refs))
+        if perm is not None:  # back to the caller's order
+            out = out.select_indices(torch.argsort(perm))
         return out.slice(0, n) if pad else out
 
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -92,11 +107,15 @@ class Policy(PolicyInterface, GenerationInterface):
             raise ValueError(f"policy.train_global_batch_size ({gbs}) is not divisible by the "
                              f"{self.world_size} training workers")
         tensors = BatchedDataDict({k: v for k, v in data.items() if isinstance(v, torch.Tensor)})
+        tensors, _ = self._balanced(tensors, gbs)  # a permutation inside each global batch: the same update
         refs = self.worker_group.run_all_workers_sharded_data(
             "train", tensors, batch_size=gbs, loss_fn=loss_fn, global_batch_size=gbs,
             micro_batch_size=micro_batch_size)
         # Metrics are already reduced over workers inside train(); rank 0 reports them.
-        return self.worker_group.get_all_worker_results(refs)[0]
+        out = self.worker_group.get_all_worker_results(refs)[0]
+        if self.world_size > 1 and "input_lengths" in tensors:
+            out["dp_token_imbalance"] = shard_token_imbalance(tensors["input_lengths"], self.world_size, gbs)
+        return out
 
     def finish_generation(self) -> None:
         if not self._on_gpu:  # nothing to release on a CPU: skip the round trip

@@ -47,6 +47,8 @@ def _batch(tok) -> BatchedDataDict:
 
 
 def _run(cluster, model_dir, data, name, skip=False, **kw):
+    # Unbalanced unless asked: the uneven halves are what makes the ranks' micro-batch counts differ.
+    kw = {"balance_batch": False} | kw
     cfg = PolicyConfig(model_name=model_dir, train_global_batch_size=16, train_micro_batch_size=2,
                        logprob_batch_size=3, max_total_sequence_length=48, optimizer={"lr": 1e-2},
                        generation={"max_new_tokens": 4}, **kw)
@@ -89,6 +91,21 @@ def test_packed_and_dynamic_batches_make_the_same_update_on_two_ranks(cluster, m
     assert ref_m["peak_memory_gb"] > 0
     # Each prompt computed once for its four completions: fewer positions than the samples hold.
     assert ratio["packed"] < 0.9 * ratio["packed-noshare"] and ratio["packed-noshare"] >= 1.0
+
+
+def test_balanced_batches_make_the_same_update_with_even_tokens(cluster, model_dir):
+    """policy.balance_batch: each prompt's group of four stays whole and the long groups are split
+    over the ranks; the log-probs come back in the caller's order and the update is the same."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = _batch(tok)
+    am = data["token_mask"].bool()
+    before0, m0, after0 = _run(cluster, model_dir, data, "unbalanced")
+    before1, m1, after1 = _run(cluster, model_dir, data, "balanced", balance_batch=True)
+    assert m0["dp_token_imbalance"] > 1.2 and m1["dp_token_imbalance"] < 1.05
+    assert torch.allclose(before1["logprobs"][am], before0["logprobs"][am], atol=1e-5)
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-5, abs=1e-7)
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-4)
+    assert torch.allclose(after1["logprobs"][am], after0["logprobs"][am], atol=1e-4)
 
 
 def test_skipping_inert_samples_makes_the_same_update(cluster, model_dir):
