@@ -22,7 +22,7 @@ from nemo_like.algorithms.grpo_setup import (
 )
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.config import ConfigError, MasterConfig
-from nemo_like.utils.checkpoint import CheckpointError, CheckpointManager
+from nemo_like.utils.checkpoint import CheckpointError, preflight_checkpoints
 from nemo_like.utils.logger import Logger
 
 __all__ = ["setup"]
@@ -55,9 +55,8 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
     train_rows = [load_dataset_from_config(c) for c in train_cfgs]
     val_rows = [load_dataset_from_config(c) for c in val_cfgs]
     # So is a checkpoint_dir of a different run, in use by a live one, or with only damaged checkpoints.
-    ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
     try:
-        latest = ckpt.preflight(resume) if ckpt else None
+        ckpt, latest = preflight_checkpoints(cfg.checkpointing, resume)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     if latest is not None:

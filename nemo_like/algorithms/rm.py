@@ -22,7 +22,12 @@ from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.reward_model import RewardModelConfig
-from nemo_like.utils.checkpoint import CheckpointError, CheckpointingConfig, CheckpointManager, ranked_training_info
+from nemo_like.utils.checkpoint import (
+    CheckpointError,
+    CheckpointingConfig,
+    preflight_checkpoints,
+    ranked_training_info,
+)
 from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, LoggerConfig
 
@@ -186,8 +191,7 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     plan = {"pairs": len(train_pairs), "train_global_batch_size": gbs, "seed": cfg.trainer.seed}
     # So is a checkpoint_dir of another run, in use by a live one, with only damaged checkpoints, or
     # with a checkpoint this run cannot go on from.
-    ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
-    found = ckpt.preflight() if ckpt is not None else None
+    ckpt, found = preflight_checkpoints(cfg.checkpointing)
     saved = _resumable(found, plan, len(batches)) if found is not None else None
     started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
     cluster = rm = logger = None

@@ -25,7 +25,7 @@ from nemo_like.gym.collector import CollectorGroup
 from nemo_like.gym.config import GymMasterConfig
 from nemo_like.gym.step_env import ObsSpec, make_step_env
 from nemo_like.gym.trainer import AGENT_FILE, GymGRPOTrainer
-from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.checkpoint import preflight_checkpoints
 from nemo_like.utils.checkpoint_io import CheckpointError
 from nemo_like.utils.logger import Logger
 
@@ -83,9 +83,8 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
     cfg = config.model_copy(deep=True)
     torch.manual_seed(cfg.grpo.seed)
     torch.set_num_threads(cfg.policy.torch_threads)
-    ckpt = CheckpointManager(cfg.checkpointing, cleanup_stale=False) if cfg.checkpointing.enabled else None
     try:
-        latest = ckpt.preflight(resume) if ckpt else None
+        ckpt, latest = preflight_checkpoints(cfg.checkpointing, resume)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     if latest is not None:

@@ -392,3 +392,14 @@ class CheckpointManager:
                 shutil.rmtree(child)
                 removed.append(child)
         return removed
+
+
+def preflight_checkpoints(config: CheckpointingConfig, resume: bool = True) -> tuple[CheckpointManager | None, Path | None]:
+    """A run's checkpoint directory checked before anything starts: its manager (None with
+    checkpointing off) and, with ``resume``, the checkpoint the run would continue (None: a new run).
+    Raises what ``CheckpointManager.preflight`` raises (a live run's lock, only damaged checkpoints)."""
+    if not config.enabled:
+        return None, None
+    ckpt = CheckpointManager(config, cleanup_stale=False)
+    return ckpt, ckpt.preflight(resume)
+

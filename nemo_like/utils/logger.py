@@ -259,12 +259,7 @@ class Logger:
             warnings.warn(f"{path}: dropping malformed lines {bad[:10]}", stacklevel=2)
         if self._jsonl is not None and len(kept_lines) != total:
             self._jsonl.close()  # appending to the file being replaced would write into the old copy
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept_lines)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            _replace_lines(path, kept_lines)
             self._jsonl = open(path, "a", encoding="utf-8")
         if self._tb_writer is not None:  # already writing: start a new writer that purges
             self._tb_writer.close()
@@ -292,12 +287,7 @@ class Logger:
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
         if len(kept) != len(lines):
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            _replace_lines(path, kept)
 
     def set_aside_previous_rows(self) -> Path | None:
         """For a run that starts at step 0: an earlier run's metrics.jsonl in the same log_dir (one
@@ -465,6 +455,16 @@ class Logger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _replace_lines(path: Path, lines: list[str]) -> None:
+    """``path`` holding ``lines``, atomically: a temp file written and synced, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _aside_name(path: Path, n: int) -> Path:
