@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["balanced_permutation", "prompt_group_size", "shard_token_imbalance"]
+__all__ = ["balance_over_shards", "balanced_permutation", "prompt_group_size", "shard_token_imbalance"]
 
 
 def balanced_permutation(lengths: torch.Tensor, shards: int, batch_size: int | None = None,
@@ -77,3 +77,14 @@ def prompt_group_size(input_ids: torch.Tensor, token_mask: torch.Tensor | None) 
             current = 1
     runs.append(current)
     return runs[0] if len(set(runs)) == 1 else 1
+
+
+def balance_over_shards(data, shards: int, batch_size: int | None = None):
+    """``data`` (a BatchedDataDict with ``input_ids``, ``input_lengths`` and, to keep prompt groups
+    whole, ``token_mask``) reordered by ``balanced_permutation``, and the permutation; unchanged (and
+    None) for one shard. ``data.select_indices(torch.argsort(perm))`` puts results back in order."""
+    if shards <= 1 or "input_lengths" not in data:
+        return data, None
+    unit = prompt_group_size(data["input_ids"], data.get("token_mask"))
+    perm = balanced_permutation(data["input_lengths"], shards, batch_size, unit)
+    return data.select_indices(perm), perm

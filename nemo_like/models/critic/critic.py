@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from nemo_like.distributed.balance import balance_over_shards
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
@@ -30,6 +31,11 @@ class Critic:
         self.world_size = self.worker_group.world_size
 
     @property
+    def _balance_shards(self) -> int:
+        """The workers a batch is balanced over: the critic follows ``policy.balance_batch``."""
+        return self.world_size if self.policy_cfg.balance_batch else 1
+
+    @property
     def train_global_batch_size(self) -> int:
         return self.cfg.train_global_batch_size or self.policy_cfg.train_global_batch_size
 
@@ -48,10 +54,15 @@ class Critic:
         # Every worker gets the same number of rows (FSDP's collectives run in lock step): pad with
         # copies of row 0 and drop their results.
         pad = (-n) % self.world_size
+        perm = None
         if pad:
             sub = BatchedDataDict.from_batches([sub, sub.select_indices([0] * pad)])
+        else:  # about the same tokens on every worker (policy.balance_batch), results put back in order
+            sub, perm = balance_over_shards(sub, self._balance_shards)
         refs = self.worker_group.run_all_workers_sharded_data("compute_values", sub)
         out = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(refs))
+        if perm is not None:
+            out = out.select_indices(torch.argsort(perm))
         out = out.slice(0, n) if pad else out
         width = data["input_ids"].shape[1]
         if out["values"].shape[1] != width:  # shards are as wide as their input: restore the batch's width
@@ -76,6 +87,7 @@ class Critic:
             raise ValueError(f"critic.train_global_batch_size ({gbs}) is not divisible by the "
                              f"{self.world_size} critic workers")
         tensors = BatchedDataDict({k: data[k] for k in _TRAIN_KEYS})
+        tensors, _ = balance_over_shards(tensors, self._balance_shards, gbs)  # inside each global batch: same update
         refs = self.worker_group.run_all_workers_sharded_data(
             "train", tensors, batch_size=gbs, global_batch_size=gbs, micro_batch_size=micro_batch_size)
         return self.worker_group.get_all_worker_results(refs)[0]

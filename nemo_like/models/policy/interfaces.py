@@ -168,8 +168,9 @@ class PolicyConfig(BaseModel):
     # average their gradients (plain data parallel, as DDP): at float32 the same update, more memory.
     fsdp: bool = True
     # Several workers: reorder each global batch so that every worker gets about the same tokens (a
-    # group of samples sharing a prompt kept together), for the training and log-prob passes; the update
-    # is the same (verl's balance_batch). train/dp_token_imbalance: the busiest worker's tokens / the mean.
+    # group of samples sharing a prompt kept together), for the training and log-prob passes (the
+    # critic's too); the update is the same (verl's balance_batch). train/dp_token_imbalance: the
+    # busiest worker's tokens / the mean.
     balance_batch: bool = True
     # Recompute activations in the backward pass instead of keeping them: less memory, more compute
     # (not on the Megatron backend).

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 import torch
 
-from nemo_like.distributed.balance import balanced_permutation, prompt_group_size, shard_token_imbalance
+from nemo_like.distributed.balance import balance_over_shards, shard_token_imbalance
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 from nemo_like.distributed.worker_group import RayWorkerGroup
@@ -45,11 +45,7 @@ class Policy(PolicyInterface, GenerationInterface):
     def _balanced(self, data: BatchedDataDict, batch_size: int | None) -> tuple[BatchedDataDict, torch.Tensor | None]:
         """``data`` reordered so that each worker gets about the same tokens of every global batch
         (``policy.balance_batch``), and the permutation (None: left as it is)."""
-        if not (self.cfg.balance_batch and self.world_size > 1 and "input_lengths" in data):
-            return data, None
-        unit = prompt_group_size(data["input_ids"], data.get("token_mask"))
-        perm = balanced_permutation(data["input_lengths"], self.world_size, batch_size, unit)
-        return data.select_indices(perm), perm
+        return balance_over_shards(data, self.world_size if self.cfg.balance_batch else 1, batch_size)
 
     # Every worker must receive the same number of rows (FSDP collectives run in lock step), so
     # the batch is padded with copies of row 0 and the padding dropped from the results.
