@@ -98,7 +98,7 @@ def find(kind: str, driver: int) -> list[tuple[int, str]]:
 
 # ---- metrics.jsonl ------------------------------------------------------------------------------
 def read_rows(log_dir: Path) -> list[dict]:
-    """Not utils.logger.read_metrics_jsonl: this file is read while a driver that may be killed
+    """Not utils.jsonl_files.read_metrics_jsonl: this file is read while a driver that may be killed
     mid-line writes it, so a partial last line is skipped, not an error."""
     path = log_dir / "metrics.jsonl"
     if not path.exists():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from nemo_like.utils.logger import read_metrics_jsonl
+from nemo_like.utils.jsonl_files import read_metrics_jsonl
 
 
 def main(argv: list[str] | None = None) -> None:

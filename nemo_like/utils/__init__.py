@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nemo_like.utils.checkpoint import CheckpointingConfig, CheckpointManager
-    from nemo_like.utils.logger import Logger, LoggerConfig, WandbConfig, read_metrics_jsonl
+    from nemo_like.utils.jsonl_files import read_metrics_jsonl
+    from nemo_like.utils.logger import Logger, LoggerConfig, WandbConfig
     from nemo_like.utils.timer import Timer
 
 _LAZY = {
@@ -21,7 +22,7 @@ _LAZY = {
     "Logger": "nemo_like.utils.logger",
     "LoggerConfig": "nemo_like.utils.logger",
     "WandbConfig": "nemo_like.utils.logger",
-    "read_metrics_jsonl": "nemo_like.utils.logger",
+    "read_metrics_jsonl": "nemo_like.utils.jsonl_files",
     "Timer": "nemo_like.utils.timer",
 }
 

@@ -27,7 +27,14 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-METRICS_FILENAME = "metrics.jsonl"
+from nemo_like.utils.jsonl_files import (
+    METRICS_FILENAME,
+    aside_name,
+    json_safe,
+    open_jsonl_for_append,
+    replace_lines,
+)
+
 SAMPLES_FILENAME = "samples.jsonl"
 CONFIG_FILENAME = "config.yaml"
 TENSORBOARD_SUBDIR = "tensorboard"
@@ -155,7 +162,7 @@ class Logger:
         self._wandb_run = None
 
         if self.cfg.jsonl_enabled:
-            self._jsonl = self._open_jsonl_for_append(self.log_dir / METRICS_FILENAME)
+            self._jsonl = open_jsonl_for_append(self.log_dir / METRICS_FILENAME)
         if self.cfg.wandb_enabled:
             self._wandb_run = self._init_wandb()
 
@@ -188,8 +195,8 @@ class Logger:
         if not (self.cfg.jsonl_enabled and keep and rows):
             return
         if self._samples is None:
-            self._samples = self._open_jsonl_for_append(self.samples_path)
-        lines = [json.dumps(_json_safe({"step": int(step), "split": split} | dict(row)), allow_nan=False) + "\n"
+            self._samples = open_jsonl_for_append(self.samples_path)
+        lines = [json.dumps(json_safe({"step": int(step), "split": split} | dict(row)), allow_nan=False) + "\n"
                  for row in rows[:keep]]
         self._samples.writelines(lines)
         self._samples.flush()
@@ -212,23 +219,6 @@ class Logger:
                          f"  prompt: {cut(r.get('prompt', ''), True)}")
             lines.append(f"      completion: {cut(r.get('completion', ''), False)}")
         return "\n".join(lines)
-
-    @staticmethod
-    def _open_jsonl_for_append(path: Path):
-        # A crash can leave a half-written last line; appending after it would glue the next
-        # record onto garbage, so cut the file back to its last complete line first.
-        if path.exists() and path.stat().st_size > 0:
-            with open(path, "rb+") as f:
-                data = f.read()
-                if not data.endswith(b"\n"):
-                    keep = data.rfind(b"\n") + 1
-                    warnings.warn(
-                        f"{path}: dropping a truncated last line ({len(data) - keep} bytes) left by an "
-                        "interrupted run before appending",
-                        stacklevel=3,
-                    )
-                    f.truncate(keep)
-        return open(path, "a", encoding="utf-8")
 
     def keep_steps_up_to(self, step: int) -> list[dict[str, Any]]:
         """For a run resumed from a checkpoint at ``step``: drops the rows of metrics.jsonl logged
@@ -259,7 +249,7 @@ class Logger:
             warnings.warn(f"{path}: dropping malformed lines {bad[:10]}", stacklevel=2)
         if self._jsonl is not None and len(kept_lines) != total:
             self._jsonl.close()  # appending to the file being replaced would write into the old copy
-            _replace_lines(path, kept_lines)
+            replace_lines(path, kept_lines)
             self._jsonl = open(path, "a", encoding="utf-8")
         if self._tb_writer is not None:  # already writing: start a new writer that purges
             self._tb_writer.close()
@@ -287,7 +277,7 @@ class Logger:
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
         if len(kept) != len(lines):
-            _replace_lines(path, kept)
+            replace_lines(path, kept)
 
     def set_aside_previous_rows(self) -> Path | None:
         """For a run that starts at step 0: an earlier run's metrics.jsonl in the same log_dir (one
@@ -308,7 +298,7 @@ class Logger:
             return None
         # One number for both files, so metrics.prevN and samples.prevN are the same earlier run.
         n = 1
-        while any(_aside_name(p, n).exists() for p in (path, samples)):
+        while any(aside_name(p, n).exists() for p in (path, samples)):
             n += 1
         if self._samples is not None:
             self._samples.close()
@@ -316,12 +306,12 @@ class Logger:
         if self._jsonl is not None:
             self._jsonl.close()
         for p in move:
-            os.replace(p, _aside_name(p, n))
+            os.replace(p, aside_name(p, n))
         if self._jsonl is not None:
             self._jsonl = open(path, "a", encoding="utf-8")
-        moved = ", ".join(f"{p.name} to {_aside_name(p, n).name}" for p in move)
+        moved = ", ".join(f"{p.name} to {aside_name(p, n).name}" for p in move)
         self.print_fn(f"[nemo_like] {self.log_dir} held an earlier run's rows (no checkpoint to resume): moved {moved}")
-        return _aside_name(path, n) if path in move else None
+        return aside_name(path, n) if path in move else None
 
     def _tensorboard(self):
         if self._tb_writer is None:
@@ -455,63 +445,6 @@ class Logger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _replace_lines(path: Path, lines: list[str]) -> None:
-    """``path`` holding ``lines``, atomically: a temp file written and synced, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _aside_name(path: Path, n: int) -> Path:
-    """``<stem>.prev<n><suffix>`` beside ``path``."""
-    return path.with_name(f"{path.stem}.prev{n}{path.suffix}")
-
-
-def _json_safe(value: Any) -> Any:
-    """``value`` with what JSON cannot hold made plain: non-finite floats as null, numpy and torch
-    scalars as numbers, tensors and arrays as lists, tuples as lists, keys as strings, anything else
-    that is not a JSON type as its ``str``."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {k if isinstance(k, str) else str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, np.generic | np.ndarray) or hasattr(value, "tolist"):
-        try:
-            return _json_safe(value.tolist())
-        except Exception:  # a tolist that does not give plain values: fall through to str
-            pass
-    return str(value)
-
-
-def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Reads a metrics.jsonl file (one JSON object per line; blank lines ignored)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILENAME
-    if not path.exists():
-        raise FileNotFoundError(f"metrics file not found: {path}")
-    records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON line: {e.msg}") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
-    return records
 
 
 def progress_interval() -> float:

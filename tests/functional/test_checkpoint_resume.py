@@ -11,7 +11,7 @@ import pytest
 
 from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import ConfigError, load_config
-from nemo_like.utils.logger import read_metrics_jsonl
+from nemo_like.utils.jsonl_files import read_metrics_jsonl
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
