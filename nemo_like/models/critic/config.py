@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from nemo_like.models.policy.interfaces import (
+    FLOAT16_REFUSED,
     DynamicBatchingConfig,
     OptimizerConfig,
     PolicyConfig,
@@ -24,7 +25,8 @@ class CriticConfig(BaseModel):
 
     # HF hub id or folder of the value model's trunk (it must tokenize as the policy does); None: the policy's.
     model_name: str | None = None
-    # Compute dtype: FSDP2 mixed precision when sharded, else autocast; the weights stay float32.
+    # Compute dtype: FSDP2 mixed precision when sharded, else autocast; the weights stay float32
+    # (float16 is refused: no loss scaling).
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     # Samples per optimizer step, over all workers.
     train_global_batch_size: int | None = None
@@ -73,6 +75,13 @@ class CriticConfig(BaseModel):
             errs = getattr(e, "errors", lambda: [])()
             msg = "; ".join(str(x.get("msg", x)) for x in errs) or str(e)
             raise ValueError(f"critic.sequence_packing / critic.dynamic_batching: {msg.replace('policy.', 'critic.')}") from None
+
+    @field_validator("precision")
+    @classmethod
+    def _no_float16_training(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError(FLOAT16_REFUSED.format(key="critic.precision"))
+        return v
 
     @field_validator("model_name")
     @classmethod

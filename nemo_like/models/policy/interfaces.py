@@ -26,6 +26,11 @@ class OptimizerConfig(BaseModel):
     eps: float = Field(1e-8, gt=0)
 
 
+# Why float16 is refused where a model trains (policy.precision, critic.precision).
+FLOAT16_REFUSED = ("{key}=float16: training in float16 needs loss scaling, which the training workers do not do "
+                   "(small gradients would underflow to 0); use bfloat16, or float32 on a GPU without bfloat16")
+
+
 class SchedulerConfig(BaseModel):
     """Linear warmup to ``optimizer.lr``, then ``decay``: ``constant`` (the default), or
     ``cosine``/``linear`` down to ``min_lr_ratio * lr`` at ``total_steps`` optimizer steps (then held
@@ -147,6 +152,7 @@ class PolicyConfig(BaseModel):
     backend: str = "hf"
     # Compute dtype. HF backend: weights stay float32, a lower precision is FSDP2 mixed precision (with
     # fsdp: false, autocast). Megatron: the parameters' dtype. Rollout workers on a GPU generate in it.
+    # float16 is refused: training in it needs loss scaling, which no worker here does.
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     # Let transformers run the model's own code from the hub (models it does not ship); passed to from_pretrained.
     trust_remote_code: bool = False
@@ -206,6 +212,13 @@ class PolicyConfig(BaseModel):
             raise ValueError(f"policy.sequence_packing.row_length ({sp.row_length}) is larger than "
                              f"policy.sequence_packing.max_tokens_per_microbatch ({sp.max_tokens_per_microbatch})")
         return self
+
+    @field_validator("precision")
+    @classmethod
+    def _no_float16_training(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError(FLOAT16_REFUSED.format(key="policy.precision"))
+        return v
 
     @model_validator(mode="after")
     def _micro_fits_global(self) -> PolicyConfig:

@@ -67,6 +67,11 @@ def test_config_validation_names_the_key():
         CriticConfig(train_micro_batch_size=8, train_global_batch_size=4)
     with pytest.raises(ValidationError):
         CriticConfig(unknown_key=1)
+    # No loss scaling anywhere: float16 training is refused, for the critic and the policy alike.
+    with pytest.raises(ValidationError, match="critic.precision=float16: training in float16 needs loss scaling"):
+        CriticConfig(precision="float16")
+    with pytest.raises(ValidationError, match="policy.precision=float16: .* use bfloat16"):
+        PolicyConfig(model_name="m", precision="float16")
     assert CriticConfig().optimizer.lr == 1e-5
 
 
