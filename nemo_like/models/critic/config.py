@@ -7,12 +7,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from nemo_like.models.policy.interfaces import (
-    FLOAT16_REFUSED,
     DynamicBatchingConfig,
     OptimizerConfig,
     PolicyConfig,
     SchedulerConfig,
     SequencePackingConfig,
+    refuse_float16_training,
 )
 
 
@@ -76,12 +76,7 @@ class CriticConfig(BaseModel):
             msg = "; ".join(str(x.get("msg", x)) for x in errs) or str(e)
             raise ValueError(f"critic.sequence_packing / critic.dynamic_batching: {msg.replace('policy.', 'critic.')}") from None
 
-    @field_validator("precision")
-    @classmethod
-    def _no_float16_training(cls, v: str) -> str:
-        if v == "float16":
-            raise ValueError(FLOAT16_REFUSED.format(key="critic.precision"))
-        return v
+    _no_float16 = field_validator("precision")(lambda cls, v: refuse_float16_training(v, "critic.precision"))
 
     @field_validator("model_name")
     @classmethod

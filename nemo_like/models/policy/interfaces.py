@@ -26,9 +26,14 @@ class OptimizerConfig(BaseModel):
     eps: float = Field(1e-8, gt=0)
 
 
-# Why float16 is refused where a model trains (policy.precision, critic.precision).
-FLOAT16_REFUSED = ("{key}=float16: training in float16 needs loss scaling, which the training workers do not do "
-                   "(small gradients would underflow to 0); use bfloat16, or float32 on a GPU without bfloat16")
+def refuse_float16_training(precision: str, key: str) -> str:
+    """``precision``, unless it is float16 where a model trains (``key``: policy.precision,
+    critic.precision): nothing here scales the loss, so float16 gradients would underflow."""
+    if precision == "float16":
+        raise ValueError(f"{key}=float16: training in float16 needs loss scaling, which the training workers do "
+                         "not do (small gradients would underflow to 0); use bfloat16, or float32 on a GPU "
+                         "without bfloat16")
+    return precision
 
 
 class SchedulerConfig(BaseModel):
@@ -213,12 +218,7 @@ class PolicyConfig(BaseModel):
                              f"policy.sequence_packing.max_tokens_per_microbatch ({sp.max_tokens_per_microbatch})")
         return self
 
-    @field_validator("precision")
-    @classmethod
-    def _no_float16_training(cls, v: str) -> str:
-        if v == "float16":
-            raise ValueError(FLOAT16_REFUSED.format(key="policy.precision"))
-        return v
+    _no_float16 = field_validator("precision")(lambda cls, v: refuse_float16_training(v, "policy.precision"))
 
     @model_validator(mode="after")
     def _micro_fits_global(self) -> PolicyConfig:
