@@ -21,12 +21,14 @@ import uuid
 from typing import Any
 
 import ray
+import torch
 from ray.actor import ActorClass, ActorHandle
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
 
+from nemo_like.distributed.balance import balance_over_shards
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
 
@@ -209,6 +211,25 @@ class RayWorkerGroup:
             self._track(getattr(w, method).remote(data=shard, **kwargs), rank, method)
             for rank, (w, shard) in enumerate(zip(self._workers, shards, strict=True))
         ]
+
+    def run_rows(self, method: str, data: BatchedDataDict, *, balance: bool = False, **kwargs: Any) -> BatchedDataDict:
+        """``method`` over ``data``'s rows split across the workers, the per-row results gathered in
+        ``data``'s order. Every worker gets the same number of rows (FSDP's collectives run in lock
+        step): a batch that does not divide is padded with copies of row 0, whose results are dropped.
+        ``balance``: rows reordered first so that each worker gets about the same tokens
+        (``balance_over_shards``; results put back in order)."""
+        n = data.size
+        pad = (-n) % self.world_size
+        perm = None
+        if pad:
+            data = BatchedDataDict.from_batches([data, data.select_indices([0] * pad)])
+        elif balance:
+            data, perm = balance_over_shards(data, self.world_size)
+        out = BatchedDataDict.from_batches(self.get_all_worker_results(
+            self.run_all_workers_sharded_data(method, data, **kwargs)))
+        if perm is not None:
+            out = out.select_indices(torch.argsort(perm))
+        return out.slice(0, n) if pad else out
 
     def get_all_worker_results(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
         """Results of ``refs`` in order.

@@ -275,11 +275,7 @@ class RewardModel:
     def score(self, data: BatchedDataDict) -> torch.Tensor:
         """[B] scores of ``input_ids`` / ``input_lengths``."""
         sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        n, pad = sub.size, (-sub.size) % self.world_size
-        if pad:  # equal shards (FSDP's collectives run in lock step); the copies are dropped
-            sub = BatchedDataDict.from_batches([sub, sub.select_indices([0] * pad)])
-        out = BatchedDataDict.from_batches(self._results(self.worker_group.run_all_workers_sharded_data("score", sub)))
-        return out["scores"][:n]
+        return self.worker_group.run_rows("score", sub)["scores"]
 
     def train_pairs(self, data: BatchedDataDict) -> dict[str, float]:
         """Pairs as rows 2i (chosen) and 2i+1 (rejected), a whole number of global batches."""

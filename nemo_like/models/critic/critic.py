@@ -51,19 +51,7 @@ class Critic:
         # token_mask, when given, lets packing lay a prompt's samples after one copy of it.
         sub = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "token_mask") if k in data})
         n = sub.size
-        # Every worker gets the same number of rows (FSDP's collectives run in lock step): pad with
-        # copies of row 0 and drop their results.
-        pad = (-n) % self.world_size
-        perm = None
-        if pad:
-            sub = BatchedDataDict.from_batches([sub, sub.select_indices([0] * pad)])
-        else:  # about the same tokens on every worker (policy.balance_batch), results put back in order
-            sub, perm = balance_over_shards(sub, self._balance_shards)
-        refs = self.worker_group.run_all_workers_sharded_data("compute_values", sub)
-        out = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(refs))
-        if perm is not None:
-            out = out.select_indices(torch.argsort(perm))
-        out = out.slice(0, n) if pad else out
+        out = self.worker_group.run_rows("compute_values", sub, balance=self.policy_cfg.balance_batch)
         width = data["input_ids"].shape[1]
         if out["values"].shape[1] != width:  # shards are as wide as their input: restore the batch's width
             v = torch.zeros(n, width, dtype=torch.float32)

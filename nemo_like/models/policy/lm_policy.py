@@ -47,21 +47,9 @@ class Policy(PolicyInterface, GenerationInterface):
         (``policy.balance_batch``), and the permutation (None: left as it is)."""
         return balance_over_shards(data, self.world_size if self.cfg.balance_batch else 1, batch_size)
 
-    # Every worker must receive the same number of rows (FSDP collectives run in lock step), so
-    # the batch is padded with copies of row 0 and the padding dropped from the results.
     def _run_sharded(self, method: str, data: BatchedDataDict, **kwargs) -> BatchedDataDict:
-        n = data.size
-        pad = (-n) % self.world_size
-        perm = None
-        if pad:
-            data = BatchedDataDict.from_batches([data, data.select_indices([0] * pad)])
-        elif method != "generate":  # (a generation's cost is its unknown output)
-            data, perm = self._balanced(data, None)
-        refs = self.worker_group.run_all_workers_sharded_data(method, data, **kwargs)
-        out = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(refs))
-        if perm is not None:  # back to the caller's order
-            out = out.select_indices(torch.argsort(perm))
-        return out.slice(0, n) if pad else out
+        # Balanced by tokens except generation, whose cost is its output, unknown before.
+        return self.worker_group.run_rows(method, data, balance=self.cfg.balance_batch and method != "generate", **kwargs)
 
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         keys = {"input_ids", "input_lengths"}
