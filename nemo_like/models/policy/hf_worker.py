@@ -87,7 +87,7 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
                                                        trust_remote_code=config.trust_remote_code)
-        # Master weights stay fp32; bf16/fp16 is FSDP mixed precision for compute (unsharded: autocast).
+        # Master weights stay fp32; bf16 is FSDP mixed precision for compute (unsharded: autocast).
         model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32,
                                                      trust_remote_code=config.trust_remote_code)
         model.to(self.device)

@@ -7,7 +7,7 @@ the training loop and its metrics, the reference-weight swap, the rank reduction
 rest:
 
 * the model is the ``GPTModel`` that :mod:`megatron_mapping` builds from the HF folder's config, its
-  weights mapped from the HF weights. Parameters are in ``policy.precision``; with bf16/fp16 the
+  weights mapped from the HF weights. Parameters are in ``policy.precision``; with bf16 the
   optimizer keeps float32 master weights (AdamW over them, copied into the model after each step), as
   Megatron's own mixed-precision optimizer does. Ranks above one are plain data parallel: every rank
   holds the whole model and gradients are averaged over ranks before the step.
