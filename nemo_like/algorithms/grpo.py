@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
@@ -43,8 +42,9 @@ from nemo_like.utils.checkpoint import (
     restore_rng,
     save_train_state,
 )
-from nemo_like.utils.logger import Logger, progress_interval
+from nemo_like.utils.logger import Logger
 from nemo_like.utils.perf import throughput_metrics
+from nemo_like.utils.progress import progress_bar, progress_write
 from nemo_like.utils.timer import Timer
 
 __all__ = ["GRPOTrainer", "accuracy_summary", "grpo_train", "per_task_metrics", "per_task_summary"]
@@ -490,18 +490,17 @@ def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[
         trainer.validate(log=True)
         base = trainer.last_val_metrics.get("val/accuracy")
         if base is not None:
-            tqdm.write(f"step 0: val/accuracy = {base:.3f} (base model)")
+            progress_write(f"step 0: val/accuracy = {base:.3f} (base model)")
     results = []
     # A context manager: a run that stops with an error ends the bar's line first, so the error is a line of its own.
-    with tqdm(total=total, initial=start, desc="GRPO", unit="step", dynamic_ncols=True,
-              mininterval=progress_interval()) as bar:
+    with progress_bar(total=total, initial=start, desc="GRPO", unit="step") as bar:
         while trainer.step_count < total and not trainer.stop_reason:
             if cfg.max_duration_s is not None and time.perf_counter() - began >= cfg.max_duration_s:
-                tqdm.write(f"step {trainer.step_count}: grpo.max_duration_s ({cfg.max_duration_s:g} s) spent, "
+                progress_write(f"step {trainer.step_count}: grpo.max_duration_s ({cfg.max_duration_s:g} s) spent, "
                            "no further step")
                 break
             if trainer.epochs_trained() >= cfg.max_num_epochs:
-                tqdm.write(f"step {trainer.step_count}: grpo.max_num_epochs ({cfg.max_num_epochs}) passes over the "
+                progress_write(f"step {trainer.step_count}: grpo.max_num_epochs ({cfg.max_num_epochs}) passes over the "
                            "training data done, no further step")
                 break
             m = trainer.step()

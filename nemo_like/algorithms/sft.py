@@ -7,12 +7,10 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from nemo_like.algorithms.loss_functions import NLLLossFn
 from nemo_like.data.sampler import EpochSampler
 from nemo_like.experience.rollouts import flatten_message_logs
-from nemo_like.utils.logger import progress_interval
+from nemo_like.utils.progress import progress_bar
 
 
 def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, micro_batch_size: int | None = None,
@@ -26,8 +24,7 @@ def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, mic
     batches = _batches(dataset, sampler, batch_size, group_by_length, random.Random(seed))
     loss_fn = NLLLossFn()
     history = []
-    for step in tqdm(range(1, num_steps + 1), desc=desc, unit="step", dynamic_ncols=True,
-                     mininterval=progress_interval()):
+    for step in progress_bar(range(1, num_steps + 1), desc=desc, unit="step"):
         datums = next(batches)
         data = flatten_message_logs([d["message_log"] for d in datums], pad_id)
         data["sample_mask"] = data["input_lengths"].new_tensor([d["loss_multiplier"] for d in datums]).float()

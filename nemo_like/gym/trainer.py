@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.ppo_terms import compute_gae, explained_variance, masked_mean, masked_whiten
@@ -39,7 +38,8 @@ from nemo_like.gym.config import GymMasterConfig
 from nemo_like.gym.loss import value_loss_term
 from nemo_like.utils.checkpoint import CheckpointManager, ranked_training_info
 from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
-from nemo_like.utils.logger import Logger, progress_interval
+from nemo_like.utils.logger import Logger
+from nemo_like.utils.progress import progress_bar
 from nemo_like.utils.timer import Timer
 
 __all__ = ["AGENT_FILE", "GymGRPOTrainer", "VAL_SEED_BASE", "gym_grpo_train", "step_seeds", "trajectory_gae"]
@@ -429,8 +429,7 @@ def gym_grpo_train(trainer: GymGRPOTrainer, max_steps: int | None = None) -> lis
     if g.val_at_start and trainer.step_count == 0 and not trainer.history:
         trainer.validate(log=True)
     results: list[dict[str, float]] = []
-    with tqdm(total=total, initial=trainer.step_count, desc="GRPO", unit="update", dynamic_ncols=True,
-              mininterval=progress_interval()) as bar:
+    with progress_bar(total=total, initial=trainer.step_count, desc="GRPO", unit="update") as bar:
         while trainer.step_count < total and not trainer.stop_reason and not trainer.reached_target:
             m = trainer.step()
             results.append(m)

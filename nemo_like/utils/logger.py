@@ -34,6 +34,7 @@ from nemo_like.utils.jsonl_files import (
     open_jsonl_for_append,
     replace_lines,
 )
+from nemo_like.utils.progress import progress_write
 
 SAMPLES_FILENAME = "samples.jsonl"
 CONFIG_FILENAME = "config.yaml"
@@ -137,11 +138,8 @@ def _format_value(value: float) -> str:
 
 
 def _default_print(text: str) -> None:
-    # tqdm.write prints above an active progress bar instead of breaking it, and behaves
-    # like print() when there is no bar.
-    from tqdm import tqdm
-
-    tqdm.write(text)
+    # Above a live progress bar instead of through it; a plain line when there is none.
+    progress_write(text)
 
 
 class Logger:
@@ -445,9 +443,3 @@ class Logger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def progress_interval() -> float:
-    """Seconds between progress-bar redraws: live in a terminal, sparse when output goes to a file
-    or a CI log (every redraw would otherwise be a new line)."""
-    return 0.1 if sys.stderr.isatty() else 30.0

@@ -1,0 +1,45 @@
+"""Progress bars only where a person watches a terminal.
+
+A log file, a Slurm job or CI captures carriage returns literally: a tqdm bar redrawn there
+interleaves with the per-step lines on one line (``\\rGRPO: 0%|...|\\r   \\rstep 1 ...``). Off a
+terminal the bar is off and the per-step lines (and ``progress_write``) are plain lines.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from tqdm.auto import tqdm
+
+# "bar" or "plain" forces one; anything else (or unset): a bar only when stdout and stderr are terminals.
+PROGRESS_ENV = "NEMO_LIKE_PROGRESS"
+
+
+def bar_wanted() -> bool:
+    forced = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if forced in ("bar", "plain"):
+        return forced == "bar"
+    # Both: the bar draws on stderr, the lines go to stdout; with either one captured the two
+    # streams interleave where a reader sees them.
+    return _isatty(sys.stdout) and _isatty(sys.stderr)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any) -> tqdm:
+    """A tqdm bar that is drawn in a terminal and silent elsewhere (it still counts)."""
+    kwargs.setdefault("dynamic_ncols", True)
+    kwargs.setdefault("mininterval", 0.1)
+    return tqdm(iterable, disable=not bar_wanted(), **kwargs)
+
+
+def progress_write(text: str) -> None:
+    """A line above a live bar (tqdm.write), or a plain line when there is none."""
+    tqdm.write(text)
