@@ -129,6 +129,13 @@ class GRPOConfig(BaseModel):
     # A registered advantage estimator: grpo, dr_grpo (= mean), mean_std, rloo, reinforce_pp, gae (needs
     # a critic section), remax, or one of yours (register_advantage_estimator).
     advantage_estimator: str = "grpo"
+    # Passes over each step's batch (TRL's num_iterations, verl's ppo_epochs, the GRPO paper's mu): every
+    # pass clips the ratio against the log-probs from before the step's first update, so the later passes
+    # are off-policy by the earlier ones' updates. Each pass's metrics are logged (train/epoch<k>/...).
+    ppo_epochs: int = Field(1, ge=1)
+    # A sample counts as solved, for train/ and val/ accuracy, when its reward is at least this. 1.0 suits
+    # the built-in graders (1 = right); set it for rewards on another scale (e.g. 0.5 for a [0, 1) score).
+    success_threshold: float = 1.0
     val_period: int = Field(10, ge=0)  # 0: validate only at start and end
     # Validate the base model before the first step (not when a run resumes past step 0).
     val_at_start: bool = True
