@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_like.algorithms.grpo_setup import RUN_IDENTITY_FILE
 from nemo_like.config import ConfigError, MasterConfig, apply_overrides, load_config, validate_config
 from nemo_like.experience.samples import sample_rows
 
@@ -112,6 +113,12 @@ class LiveExperiment:
             raise FileNotFoundError(f"{checkpoint_dir} holds no complete checkpoint with a run_config.json to resume")
         saved = json.loads((latest / "run_config.json").read_text())
         saved["checkpointing"]["checkpoint_dir"] = str(checkpoint_dir)
+        given = latest / RUN_IDENTITY_FILE  # the model names as the run was given them (saved ones are resolved)
+        if given.exists():
+            for key, name in json.loads(given.read_text())["models"].items():
+                section, field = key.split(".")
+                if isinstance(saved.get(section), dict):
+                    saved[section][field] = name
         return cls(saved, overrides, resume=True)
 
     def close(self) -> None:
@@ -150,12 +157,17 @@ class GRPOExperiment(LiveExperiment):
     """A live GRPO run: Ray, policy workers and environment actors stay up between calls."""
 
     def __init__(self, config: MasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
-                 resume: bool = True):
+                 resume: bool | None = None):
+        """``config``: a YAML path, a dict or a MasterConfig, with ``overrides`` ("key=value", as on the
+        command line). ``resume``: None follows ``checkpointing.resume`` ("auto": continue the newest
+        checkpoint in checkpoint_dir when it is this run's, refuse one of another model, data or
+        recipe); False starts fresh (an earlier run's checkpoints move to ``previous_<N>/``); True
+        continues (``GRPOExperiment.resume(dir)`` does that with the saved config)."""
         from nemo_like.algorithms.grpo_run import setup
-        from nemo_like.utils.checkpoint import CheckpointManager
+        from nemo_like.utils.checkpoint import CheckpointManager, resume_wanted
 
         cfg = _to_config(config, overrides)
-        resuming = resume and cfg.checkpointing.enabled and CheckpointManager(
+        resuming = resume_wanted(cfg.checkpointing, resume) and cfg.checkpointing.enabled and CheckpointManager(
             cfg.checkpointing, cleanup_stale=False).get_latest_checkpoint_path() is not None
         close_open_experiments()
         self.closed = False

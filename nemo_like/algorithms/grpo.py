@@ -21,7 +21,7 @@ import torch
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
 from nemo_like.algorithms.grpo_report import accuracy_summary, per_task_metrics, per_task_summary
-from nemo_like.algorithms.grpo_setup import dump_config
+from nemo_like.algorithms.grpo_setup import RUN_IDENTITY_FILE, dump_config
 from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
 from nemo_like.algorithms.loss_functions import LossFunction
 from nemo_like.algorithms.ppo import PPOStage
@@ -95,6 +95,9 @@ class GRPOTrainer:
     ppo: PPOStage = field(init=False)
     # A reward model's score added to the training samples' rewards (algorithms/rm_reward.py), if any.
     rm_scorer: Any = None
+    # The model names as given and the data files' digests (grpo_setup.run_identity): saved with each
+    # checkpoint, so a run of another model or data in the same checkpoint_dir is never resumed.
+    run_identity: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
@@ -416,6 +419,8 @@ class GRPOTrainer:
         if self.critic is not None:
             self.critic.save_checkpoint(str(tmp / "critic"))
         (tmp / "run_config.json").write_text(json.dumps(dump_config(self.config), indent=1))
+        if self.run_identity is not None:
+            (tmp / RUN_IDENTITY_FILE).write_text(json.dumps(self.run_identity, indent=1))
         # Async: the sampler as of the last trained batch; batches in flight are drawn again on resume.
         sampler = self.sampler.state_dict()
         if self.async_rollouts is not None:

@@ -19,18 +19,20 @@ from nemo_like.algorithms.grpo_setup import (
     check_resume_compatible,
     env_config,
     make_train_sampler,
+    run_identity,
 )
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.config import ConfigError, MasterConfig
-from nemo_like.utils.checkpoint import CheckpointError, preflight_checkpoints
+from nemo_like.utils.checkpoint import CheckpointError, preflight_checkpoints, resume_wanted
 from nemo_like.utils.logger import Logger
 
 __all__ = ["setup"]
 
 
-def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
+def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
     """Start (or join) Ray, build the base model if needed, datasets, environment actors, the policy
-    workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir."""
+    workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir when it is
+    this run's. ``resume``: None follows ``checkpointing.resume``; True/False force it (the notebook API)."""
     import ray
     from transformers import AutoTokenizer
 
@@ -59,8 +61,10 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
         ckpt, latest = preflight_checkpoints(cfg.checkpointing, resume)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    # The model names as the user gave them (cfg's are resolved below) and the data files' digests.
+    identity = run_identity(config)
     if latest is not None:
-        check_resume_compatible(cfg, latest)
+        check_resume_compatible(config, latest, identity)
     for ds_cfg in train_cfgs + val_cfgs:  # and so does a reward function that cannot be imported
         env_config(cfg, ds_cfg)  # or an environment nobody registered
         if ds_cfg.env_name not in registered_envs():
@@ -155,11 +159,11 @@ def setup(config: MasterConfig, *, resume: bool = True) -> GRPOTrainer:
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
                           loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources, critic=critic,
-                          generator=generator, rm_scorer=rm_scorer)
+                          generator=generator, rm_scorer=rm_scorer, run_identity=identity)
     try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
-        latest = ckpt.open_for_run(resume) if ckpt else None
+        latest = ckpt.open_for_run(resume_wanted(cfg.checkpointing, resume)) if ckpt else None
         if latest is not None:
-            check_resume_compatible(cfg, latest)
+            check_resume_compatible(config, latest, identity)
             trainer.load_checkpoint(latest)
             # Rows the crashed run logged after the checkpoint leave metrics.jsonl too: each step once.
             trainer.history = logger.keep_steps_up_to(trainer.step_count)

@@ -4,6 +4,7 @@ recipe. Also used by the SFT bootstrap and the benchmarks, which must not import
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from nemo_like.config import ConfigError, MasterConfig, schema_field
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS
 
-__all__ = ["dump_config", "check_resume_compatible", "make_train_sampler", "build_task_dataset", "env_config",
+__all__ = ["dump_config", "check_resume_compatible", "run_identity", "RUN_IDENTITY_FILE", "MODEL_KEYS", "make_train_sampler", "build_task_dataset", "env_config",
            "check_prompt_lengths"]
 
 
@@ -32,7 +33,34 @@ _RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.max_dur
                       "grpo.reuse_generation_logprobs", "grpo.logprob_check_period", "grpo.skip_inert_samples",
                       "grpo.max_consecutive_env_failures", "grpo.env_step_timeout_s", "grpo.stop_on_collapse.",
                       "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
-                      "bootstrap.cache_dir", "policy.model_name", "policy.tokenizer_name")
+                      "bootstrap.cache_dir")
+# The models a run trains, as the user named them: the saved run_config.json holds them resolved (a
+# gguf: file's converted folder, the bootstrap's cache folder), so they are compared as given, from
+# RUN_IDENTITY_FILE. A checkpoint written before that file existed cannot tell, and is not refused for them.
+MODEL_KEYS = ("policy.model_name", "policy.tokenizer_name", "critic.model_name", "reward_model.model_name")
+# Beside run_config.json in each checkpoint: the model names as given and the data files' contents.
+RUN_IDENTITY_FILE = "run_identity.json"
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_identity(config: MasterConfig) -> dict[str, Any]:
+    """What makes a run this run beyond its config's values: the model names as the user gave them
+    (``config`` before any resolution) and the sha256 of every local data file it reads, so that a
+    file edited in place is not resumed as if it were the same data."""
+    flat = _flat(dump_config(config))
+    files: dict[str, str] = {}
+    for ds in config.data.train_list + config.data.validation_list:
+        path = Path(ds.path) if ds.path and not ds.path.startswith("hf:") else None
+        if path is not None and path.is_file():
+            files[ds.path] = _file_digest(path)
+    return {"models": {k: flat.get(k) for k in MODEL_KEYS}, "data_files": files}
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -59,23 +87,39 @@ def _schema_default(dotted: str) -> Any:
     return json.loads(json.dumps(value.model_dump() if isinstance(value, BaseModel) else value))
 
 
-def check_resume_compatible(config: MasterConfig, checkpoint: Path) -> None:
+def check_resume_compatible(config: MasterConfig, checkpoint: Path, identity: dict[str, Any] | None = None) -> None:
     """Refuse to resume a checkpoint written by a run with a different recipe (model, data, loss,
-    batch sizes...): continuing it silently would train something nobody asked for."""
+    batch sizes...): continuing it silently would train something nobody asked for. ``config`` as the
+    user gave it (model names unresolved); ``identity``: this run's ``run_identity`` (None: computed)."""
     saved_path = checkpoint / "run_config.json"
     if not saved_path.exists():
         return
     saved, now = _flat(json.loads(saved_path.read_text())), _flat(dump_config(config))
+    identity = run_identity(config) if identity is None else identity
+    saved_identity_path = checkpoint / RUN_IDENTITY_FILE
+    saved_identity = json.loads(saved_identity_path.read_text()) if saved_identity_path.exists() else None
+    for k in MODEL_KEYS:
+        if saved_identity is None:  # an older checkpoint: its names are resolved, not comparable
+            saved.pop(k, None)
+            now.pop(k, None)
+        else:
+            saved[k], now[k] = saved_identity["models"].get(k), identity["models"].get(k)
     # A key the saved run never had (added to the schema since) is the same recipe at its default.
     added_at_default = {k for k in set(now) - set(saved) if _schema_default(k) == now[k]}
-    differ = sorted(k for k in (set(saved) | set(now)) - added_at_default
-                    if saved.get(k) != now.get(k) and not any(k == p or k.startswith(p) for p in _RESUMABLE_CHANGES))
+    differ = [f"{k} ({saved.get(k)!r} -> {now.get(k)!r})"
+              for k in sorted((set(saved) | set(now)) - added_at_default)
+              if saved.get(k) != now.get(k) and not any(k == p or k.startswith(p) for p in _RESUMABLE_CHANGES)]
+    if saved_identity is not None:
+        before = saved_identity.get("data_files", {})
+        differ += [f"data file {f} (its contents changed since the checkpoint)"
+                   for f, digest in identity["data_files"].items() if f in before and before[f] != digest]
     if differ:
-        shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])
+        shown = ", ".join(differ[:5])
         more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
-        raise ConfigError(f"checkpointing.checkpoint_dir={config.checkpointing.checkpoint_dir} holds a run with a "
-                          f"different config: {shown}{more}. Use another checkpoint_dir (and logger.log_dir), "
-                          "or delete it to start over")
+        d = config.checkpointing.checkpoint_dir
+        raise ConfigError(f"checkpointing.checkpoint_dir={d} holds another run, not resumed: {shown}{more}. "
+                          f"To start this run there, set checkpointing.resume=false (the earlier checkpoints move to "
+                          f"{d}/previous_<N>/); or give it its own checkpointing.checkpoint_dir and logger.log_dir")
 
 
 def make_train_sampler(ds_cfgs, dataset, seed: int) -> EpochSampler | MixtureSampler:

@@ -22,7 +22,7 @@ import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -39,9 +39,10 @@ from nemo_like.utils.checkpoint_io import (
     verify_checkpoint,
     write_manifest,
 )
-from nemo_like.utils.dir_lock import DirLock, DirLockedError
+from nemo_like.utils.dir_lock import LOCK_FILE, DirLock, DirLockedError
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointingConfig", "DirLockedError", "load_train_state",
+           "preflight_checkpoints", "resume_wanted",
            "ranked_training_info", "training_info",
            "restore_rng", "save_train_state", "verify_checkpoint"]
 
@@ -54,6 +55,9 @@ _TMP_OLD_RE = re.compile(r"^tmp_old_step_(\d+)$")
 # Newer checkpoints than the one a run resumed from that failed verification: kept for a look,
 # never loaded, never pruned.
 _SET_ASIDE = "invalid_step_{}"
+# An earlier run's checkpoints, moved aside by a run that starts fresh in the same checkpoint_dir.
+_PREVIOUS = "previous_{}"
+_PREVIOUS_RE = re.compile(r"^previous_\d+$")
 
 
 class CheckpointingConfig(BaseModel):
@@ -63,6 +67,11 @@ class CheckpointingConfig(BaseModel):
     enabled: bool = True
     # Folder of the run's step_<N> checkpoints; locked while a run uses it.
     checkpoint_dir: str = "results/checkpoints"
+    # "auto": continue the newest checkpoint in checkpoint_dir when it is this run's (same model, data and
+    # recipe) and refuse, saying how to start fresh, when it is another run's; true: continue, and refuse
+    # when there is nothing to continue; false: start fresh, the earlier run's checkpoints moved (never
+    # deleted) to <checkpoint_dir>/previous_<N>/.
+    resume: bool | Literal["auto"] = "auto"
     # Save every this many steps, and after the last step (and when a run stops early).
     save_period: int = Field(10, gt=0)
     # None keeps every checkpoint; the latest checkpoint is always kept in addition to the top k.
@@ -163,9 +172,38 @@ class CheckpointManager:
         return self.get_latest_checkpoint_path() if resume else None
 
     def open_for_run(self, resume: bool = True) -> Path | None:
-        """Takes the directory for the run (``lock()``); with ``resume``, returns ``resume_path()``."""
+        """Takes the directory for the run (``lock()``); with ``resume``, returns ``resume_path()``;
+        without, an earlier run's checkpoints are moved aside (``set_aside_run``): a fresh run never
+        mixes its step_<N> folders (and their ranking) with another run's."""
         self.lock()
-        return self.resume_path() if resume else None
+        if resume:
+            return self.resume_path()
+        self.set_aside_run()
+        return None
+
+    def set_aside_run(self) -> Path | None:
+        """Moves everything an earlier run left in checkpoint_dir (its step_<N> folders, damaged ones,
+        files beside them) into ``previous_<N>/`` (the first free N); returns that folder, or None when
+        there was nothing. Needs the lock."""
+        if not self._lock.held:
+            raise RuntimeError("CheckpointManager.set_aside_run() needs lock() first")
+        if not self.checkpoint_dir.is_dir():
+            return None
+        leftovers = [c for c in sorted(self.checkpoint_dir.iterdir())
+                     if c.name != LOCK_FILE and not _PREVIOUS_RE.match(c.name)]
+        if not leftovers:
+            return None
+        n = 1
+        while (self.checkpoint_dir / _PREVIOUS.format(n)).exists():
+            n += 1
+        aside = self.checkpoint_dir / _PREVIOUS.format(n)
+        aside.mkdir()
+        for child in leftovers:
+            os.replace(child, aside / child.name)
+        fsync_path(self.checkpoint_dir)
+        print(f"[nemo_like] checkpointing.resume=false: the earlier run's checkpoints in {self.checkpoint_dir} "
+              f"moved to {aside}")
+        return aside
 
     # ----------------------------------------------------------------- saving
     def should_save(self, step: int, is_last_step: bool = False) -> bool:
@@ -394,12 +432,26 @@ class CheckpointManager:
         return removed
 
 
-def preflight_checkpoints(config: CheckpointingConfig, resume: bool = True) -> tuple[CheckpointManager | None, Path | None]:
+def resume_wanted(config: CheckpointingConfig, resume: bool | None = None) -> bool:
+    """Whether a run looks for a checkpoint to continue: ``resume`` when the caller says (the notebook
+    API's argument), else ``checkpointing.resume`` ("auto" looks; what it finds is then checked)."""
+    return bool(config.resume) if resume is None else bool(resume)
+
+
+def preflight_checkpoints(config: CheckpointingConfig, resume: bool | None = None
+                          ) -> tuple[CheckpointManager | None, Path | None]:
     """A run's checkpoint directory checked before anything starts: its manager (None with
-    checkpointing off) and, with ``resume``, the checkpoint the run would continue (None: a new run).
-    Raises what ``CheckpointManager.preflight`` raises (a live run's lock, only damaged checkpoints)."""
+    checkpointing off) and, when it resumes (``resume_wanted``), the checkpoint the run would continue
+    (None: a new run). Raises what ``CheckpointManager.preflight`` raises (a live run's lock, only
+    damaged checkpoints), and CheckpointError for ``checkpointing.resume: true`` with nothing to continue."""
     if not config.enabled:
         return None, None
     ckpt = CheckpointManager(config, cleanup_stale=False)
-    return ckpt, ckpt.preflight(resume)
+    wanted = resume_wanted(config, resume)
+    latest = ckpt.preflight(wanted)
+    if resume is None and config.resume is True and latest is None:
+        raise CheckpointError(f"checkpointing.resume=true, but checkpointing.checkpoint_dir={config.checkpoint_dir} "
+                              "holds no checkpoint to continue; set checkpointing.resume=auto (or false) to "
+                              "start a new run")
+    return ckpt, latest
 
