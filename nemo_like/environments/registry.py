@@ -88,9 +88,12 @@ def create_env_actor(
     trainer) instead of hanging the run.
     ``num_cpus=0``: graders are mostly idle and must never keep the policy workers from being
     scheduled on a small machine. ``actor_options`` overrides any of these (e.g. a code sandbox
-    that wants real CPUs, or a ``name`` to look the actor up later).
+    that wants real CPUs, or a ``name`` to look the actor up later). Reward functions and tools
+    registered in the driver are registered in the actor too (``user_registrations``).
     """
     import ray  # lazily: the registry is also imported by grader subprocesses that never need ray
+
+    from nemo_like.environments.user_registrations import user_registrations, with_registrations
 
     cls = get_env_class(name)
     if config is not None and not isinstance(config, dict):
@@ -99,7 +102,10 @@ def create_env_actor(
     if getattr(cls, "max_concurrent_steps", 1) > 1:  # a thread-safe step: calls may overlap
         options["max_concurrency"] = int(cls.max_concurrent_steps)
     options.update(actor_options or {})
-    return ray.remote(cls).options(**options).remote(dict(config or {}))
+    # The reward functions and tools the driver registered (a user's module, script or notebook) go
+    # along: the actor's fresh process knows only the built-ins.
+    actor_cls = with_registrations(cls, user_registrations())
+    return ray.remote(actor_cls).options(**options).remote(dict(config or {}))
 
 
 def step_concurrency(task_envs: dict[str, str]) -> dict[str, int]:
