@@ -20,7 +20,14 @@ import torch
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
-from nemo_like.algorithms.grpo_report import accuracy_summary, per_task_metrics, per_task_summary
+from nemo_like.algorithms.grpo_loop import grpo_train
+from nemo_like.algorithms.grpo_report import (
+    accuracy_summary,
+    per_task_metrics,
+    per_task_summary,
+    step_metrics,
+    success_hint,
+)
 from nemo_like.algorithms.grpo_setup import RUN_IDENTITY_FILE, dump_config
 from nemo_like.algorithms.guards import CollapseWatch, groups_with_spread, inert_samples, merge_rounds
 from nemo_like.algorithms.loss_functions import LossFunction
@@ -43,8 +50,6 @@ from nemo_like.utils.checkpoint import (
     save_train_state,
 )
 from nemo_like.utils.logger import Logger
-from nemo_like.utils.perf import throughput_metrics
-from nemo_like.utils.progress import progress_bar, progress_write
 from nemo_like.utils.timer import Timer
 
 __all__ = ["GRPOTrainer", "accuracy_summary", "grpo_train", "per_task_metrics", "per_task_summary"]
@@ -197,7 +202,8 @@ class GRPOTrainer:
                 reused = self.reuse_generation_logprobs() and (lag is None or not bool(lag.any()))
                 # Stale samples in a batch that is one optimizer step: the weights about to be updated
                 # are the proximal ones, and the training forward pass gives their log-probs itself.
-                proximal_in_train = (not reused and lag is not None
+                # (One pass only: a second pass's weights are no longer the proximal ones.)
+                proximal_in_train = (not reused and lag is not None and cfg.grpo.ppo_epochs == 1
                                      and train_data.size == cfg.policy.train_global_batch_size)
                 if proximal_in_train:
                     train_data["proximal_is_current"] = torch.ones(train_data.size)
@@ -227,17 +233,21 @@ class GRPOTrainer:
                     ppo_metrics |= self.ppo.update_critic(train_data, extras, timer)
             train_data["advantages"] = advantages.float()
 
-            # 5. Policy update. Samples that cannot move the weights skip the pass (same update).
-            # During the critic's warm-up the actor is left as it is (weights, optimizer, no refit).
+            # 5. Policy update, grpo.ppo_epochs passes over the batch: each clips its ratio against
+            # the log-probs of 4 (from before the first pass). Samples that cannot move the weights
+            # skip the pass (same update). During the critic's warm-up the actor is left as it is.
             warmup = self.ppo.in_warmup(self.step_count)
             if cfg.grpo.skip_inert_samples:
                 train_data["skip_pass"] = inert_samples(train_data, self.loss_fn)
-            train_metrics = {}
+            train_metrics, pass_metrics = {}, {}
             if not warmup:
                 with timer.time("train"):
                     self.policy.prepare_for_training()
                     self._moved = True
-                    train_metrics = self.policy.train(train_data, self.loss_fn)
+                    for k in range(1, cfg.grpo.ppo_epochs + 1):
+                        train_metrics = self.policy.train(train_data, self.loss_fn)
+                        if cfg.grpo.ppo_epochs > 1:
+                            pass_metrics |= {f"train/pass{k}/{m}": v for m, v in train_metrics.items()}
                     self.policy.finish_training()
 
             # 6. Weight sync: a separate rollout group gets the new weights (version = optimizer steps).
@@ -254,42 +264,11 @@ class GRPOTrainer:
         self.step_count += 1
         batch["advantages"] = advantages
         self.last_batch = batch
-        scored = rewards[scorable]
-        grouped = rewards.nan_to_num(0.0).view(-1, G)
-        metrics = {
-            "train/reward_mean": float(scored.mean()) if scored.numel() else 0.0,
-            "train/reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
-            # "advantage collapse": groups whose rewards are all equal give no gradient.
-            "train/zero_std_group_frac": float((grouped.std(dim=1) == 0).float().mean()),
-            "train/unscorable_frac": float((~scorable).float().mean()),
-            "train/advantage_abs_mean": float(advantages.abs().mean() if advantages.dim() == 1 else
-                                              advantages.abs().sum() / train_data["token_mask"].sum().clamp(min=1)),
-            "train/loss_masked_frac": float((train_data["sample_mask"] == 0).float().mean()),
-            # Prompts longer than data.max_input_seq_length: cut, and carry no loss.
-            "train/prompt_cut_frac": float((batch["loss_multiplier"] == 0).float().mean()),
-            "train/num_samples": float(rewards.numel()),
-            "train/epoch": float(self.sampler.epoch),
-        }
-        metrics |= {(k if k.startswith(("rm/", "timing/")) else f"train/{k}"): v  # generation_s: timing/generation
-                    for k, v in rollout_metrics.items() if k != "generation_s"}
-        if len(set(batch["task_name"])) > 1:
-            metrics |= per_task_metrics(batch, "train")
-        metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | ppo_metrics
-        if warmup:
-            metrics["critic/warmup"] = 1.0
-        if logprob_eff is not None:
-            metrics["train/logprob_padding_efficiency"] = logprob_eff
-        timings = timer.get_timing_metrics() | {"generation": rollout_metrics.get("generation_s", 0.0)}
-        metrics |= {f"timing/{k}": v for k, v in timings.items()}
-        metrics |= throughput_metrics(timings, train_data, batch, train_metrics)
-        metrics["train/prev_logprobs_reused"] = float(reused)
-        if "skip_pass" in train_data:
-            metrics["train/skipped_inert_frac"] = float(train_data["skip_pass"].float().mean())
-        if lag is not None:
-            metrics["train/policy_version_lag"] = float(lag.float().mean())
-        metrics |= {k: v for k, v in refit_metrics.items() if not k.startswith("timing/")} | async_metrics
-        if async_metrics:  # the trainer's share of the step: what it did not spend waiting for rollouts
-            metrics["async/training_busy_frac"] = 1.0 - timings.get("wait_for_rollouts", 0.0) / max(timings["total"], 1e-9)
+        metrics = step_metrics(
+            cfg, batch, train_data, rewards, advantages, rollout_metrics, timer.get_timing_metrics(),
+            train_metrics=train_metrics, pass_metrics=pass_metrics, ppo_metrics=ppo_metrics,
+            refit_metrics=refit_metrics, async_metrics=async_metrics, epoch=self.sampler.epoch, warmup=warmup,
+            reused=reused, lag=lag, logprob_eff=logprob_eff)
 
         if cfg.grpo.val_period and self.step_count % cfg.grpo.val_period == 0:
             metrics |= self.validate()
@@ -371,7 +350,8 @@ class GRPOTrainer:
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self, log: bool = False) -> dict[str, float]:
-        """Greedy accuracy on the held-out set (reward 1.0 = correct for the math environment)."""
+        """Greedy accuracy on the held-out set: the share of rewards >= grpo.success_threshold (1.0: right,
+        for the built-in graders), with the mean reward beside it."""
         if self.val_dataset is None:
             return {}
         cap = self.config.grpo.max_val_samples
@@ -389,16 +369,18 @@ class GRPOTrainer:
                                                  lambda b: self._rollout(b, True, self.generator, with_rm=False)],
                                          [self.policy.world_size, getattr(self.generator, "num_workers", 1)])
             self.policy.finish_generation()
-        rewards = batch["total_reward"]
-        out = {"val/accuracy": float((rewards >= 1.0).float().mean()),
+        rewards, threshold = batch["total_reward"], self.config.grpo.success_threshold
+        out = {"val/accuracy": float((rewards >= threshold).float().mean()),
                "val/reward_mean": float(rewards.nan_to_num(0.0).mean()),
                "val/response_length_mean": m["response_length_mean"], "val/truncation_rate": m["truncation_rate"],
                "val/turns_per_sample": m["turns_per_sample"],
                "val/num_samples": float(n), "timing/validation": time.perf_counter() - t0}
         if len(set(batch["task_name"])) > 1:
-            out |= per_task_metrics(batch, "val")
+            out |= per_task_metrics(batch, "val", threshold)
+        if self.first_val_results is None and (hint := success_hint(rewards, threshold)):
+            print(hint)
         self.last_val_metrics, self.last_val_step = out, self.step_count
-        self.last_val_results = {"task_name": list(batch["task_name"]), "correct": (rewards >= 1.0).tolist()}
+        self.last_val_results = {"task_name": list(batch["task_name"]), "correct": (rewards >= threshold).tolist()}
         self.last_val_batch = batch
         if (n := self.logger.wants_samples("val")) != 0:
             self.logger.log_samples(sample_rows(batch, n), self.step_count, "val")
@@ -483,39 +465,3 @@ class GRPOTrainer:
                 print(f"[nemo_like] while closing: {e!r}")
         if self.checkpointer is not None:  # checkpoint_dir is free for another run from here on
             self.checkpointer.release_lock()
-
-
-def grpo_train(trainer: GRPOTrainer, max_steps: int | None = None) -> list[dict[str, float]]:
-    """The CLI loop: validation at start, `step()` until max_num_steps, validation at the end."""
-    cfg = trainer.config.grpo
-    total = cfg.max_num_steps if max_steps is None else trainer.step_count + max_steps
-    start = trainer.step_count
-    began = time.perf_counter()
-    if cfg.val_at_start and start == 0:
-        trainer.validate(log=True)
-        base = trainer.last_val_metrics.get("val/accuracy")
-        if base is not None:
-            progress_write(f"step 0: val/accuracy = {base:.3f} (base model)")
-    results = []
-    # A context manager: a run that stops with an error ends the bar's line first, so the error is a line of its own.
-    with progress_bar(total=total, initial=start, desc="GRPO", unit="step") as bar:
-        while trainer.step_count < total and not trainer.stop_reason:
-            if cfg.max_duration_s is not None and time.perf_counter() - began >= cfg.max_duration_s:
-                progress_write(f"step {trainer.step_count}: grpo.max_duration_s ({cfg.max_duration_s:g} s) spent, "
-                           "no further step")
-                break
-            if trainer.epochs_trained() >= cfg.max_num_epochs:
-                progress_write(f"step {trainer.step_count}: grpo.max_num_epochs ({cfg.max_num_epochs}) passes over the "
-                           "training data done, no further step")
-                break
-            m = trainer.step()
-            results.append(m)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['train/reward_mean']:.3f}",
-                            loss="critic warm-up" if "critic/warmup" in m else f"{m.get('train/loss', float('nan')):.4f}")
-    if cfg.val_at_end and not (cfg.val_period and trainer.step_count % cfg.val_period == 0) and results:
-        trainer.validate(log=True)
-    if (trainer.checkpointer and results and trainer.step_count % trainer.config.checkpointing.save_period
-            and not trainer.stop_reason):  # a stopped run saved at its last step already
-        trainer.save_checkpoint(results[-1])
-    return results

@@ -111,9 +111,42 @@ def test_grpo_runs_logs_checkpoints_and_resumes(run_dir, base_model_cache):
     from nemo_like.config import ConfigError
 
     created = len(actors())
-    with pytest.raises(ConfigError, match=r"different config: loss_fn.ratio_clip_max \(0.2 -> 0.3\)"):
+    with pytest.raises(ConfigError, match=r"holds another run, not resumed: loss_fn.ratio_clip_max \(0.2 -> 0.3\)"
+                                          r".*set checkpointing.resume=false"):
         setup(_config(run_dir, base_model_cache, "grpo.max_num_steps=5", "loss_fn.ratio_clip_max=0.3"))
     assert len(actors()) == created  # no actor was ever started
+    # Asked to start fresh there, it does: step 0, the earlier run's checkpoints kept in previous_1/.
+    trainer = setup(_config(run_dir, base_model_cache, "grpo.max_num_steps=5", "loss_fn.ratio_clip_max=0.3",
+                            "checkpointing.resume=false"))
+    try:
+        assert trainer.step_count == 0 and trainer.first_val_results is None
+        assert sorted(p.name for p in (run_dir / "ckpt").iterdir() if not p.name.startswith(".")) == ["previous_1"]
+        assert (run_dir / "ckpt" / "previous_1" / "step_5" / "run_identity.json").exists()
+    finally:
+        trainer.close()
+
+
+def test_several_passes_over_a_batch_clip_against_the_log_probs_before_the_first(ray_session, tmp_path,
+                                                                                 base_model_cache):
+    # One optimizer step a pass (the global batch is the step's 16 samples), two passes: the first pass's
+    # ratio is exactly 1 (no weights moved yet), the second's is not (the same old log-probs, new weights).
+    cfg = _config(tmp_path, base_model_cache, "grpo.ppo_epochs=2", "grpo.max_num_steps=1", "cluster.num_workers=1",
+                  "loss_fn.reference_policy_kl_penalty=0", "grpo.val_at_end=false", "grpo.val_period=0",
+                  "grpo.success_threshold=0.0", "checkpointing.enabled=false", "policy.optimizer.lr=0.01",
+                  # rewards with spread in a group, whatever the tiny model writes: advantages to train on
+                  "data.train.env_name=reward_fn", 'data.train.reward_fns=[{fn: "_nl_reward_helpers:half_constant"}]')
+    trainer = setup(cfg)
+    try:
+        assert trainer.last_val_metrics == {}
+        val = trainer.validate()
+        assert val["val/accuracy"] == 1.0  # every reward is >= 0: what the threshold says counts
+        (m,) = grpo_train(trainer)
+        assert abs(m["train/pass1/probs_ratio"] - 1.0) < 1e-5
+        assert abs(m["train/pass2/probs_ratio"] - 1.0) > 1e-4
+        assert m["train/probs_ratio"] == m["train/pass2/probs_ratio"]  # train/* is the last pass
+        assert m["train/accuracy"] == 1.0
+    finally:
+        trainer.close()
 
 
 def test_training_stops_after_max_num_epochs_passes_over_the_data(ray_session, tmp_path, base_model_cache):
