@@ -12,6 +12,7 @@ import json
 import os
 import random
 import string
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,8 @@ import datasets
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from nemo_like.data.errors import DataError  # re-exported: callers catch nemo_like.data.datasets.DataError
+from nemo_like.data.loaders import check_prompt_column, load_hub, load_local
+from nemo_like.data.processors import PROCESSOR_REGISTRY
 from nemo_like.data.reasoning_gym_tasks import ReasoningGymConfig, generate_reasoning_gym_dataset
 
 OPERATORS = ("+", "-", "*")
@@ -238,12 +241,20 @@ class DatasetConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str | None = None  # local .jsonl/.json/.parquet/.csv, or "hf:<name>"
-    split: str = "train"  # hub split; ignored for local files and the generator
+    # A local .jsonl/.json/.parquet/.csv file, or "hf:<name>": a hub dataset, or a local folder laid out
+    # as one (its README.md's `configs:` listing each subset's data_files).
+    path: str | None = None
+    # hf: datasets: the split to read ("train", "test", or a slice such as "train[:500]"); ignored for
+    # local files and the generator.
+    split: str = "train"
+    # hf: datasets: the subset (the hub's config name, e.g. gsm8k's "main"); None: the dataset's only one.
+    subset: str | None = None
     # A procedural generator instead of a file (kind: arithmetic, the default, tool, code or reasoning_gym).
     generator: GeneratorConfig | None = None
     num_samples: int | None = Field(default=None, gt=0)  # keep at most this many rows (the first ones)
-    # Column holding the question (renamed to "problem").
+    # Column holding the question (renamed to "problem"): text, or a conversation (a list of
+    # {"role": system|user|assistant, "content": ...} messages, TRL's conversational format) rendered
+    # by the chat template as written, with prompt and few_shot unset.
     problem_key: str = "problem"
     # Column holding the reference answer the grader checks against (renamed to "expected_answer").
     answer_key: str = "expected_answer"
@@ -251,11 +262,14 @@ class DatasetConfig(BaseModel):
     # reported per task. Datasets with the same task_name share the first one's actor.
     task_name: str = "math"
     # The registered environment that grades this data (math, code, tool, reward_fn, reasoning_gym, or
-    # yours), with the options under env.<env_name>; also the data processor unless processor is set.
+    # yours), with the options under env.<env_name>.
     env_name: str = "math"
-    processor: str | None = None  # data processor by name (see data.processors); None: same as env_name
+    # Data processor by name (see data.processors). None: the one registered under env_name, or "math"
+    # (prompt-only rows, every column passed to the environment) for an environment without one.
+    processor: str | None = None
     prompt: str | None = None  # format string with exactly one "{}"
     # Text of a system message before the prompt; None: none of ours (a chat template may add its own).
+    # A conversational prompt with a system message of its own keeps it (a warning counts those rows).
     system_prompt: str | None = None
     few_shot: list[FewShotExample] | None = None  # worked examples, as chat turns before the question
     # Plain callables as the grader (TRL style): graded by the "reward_fn" environment.
@@ -298,18 +312,27 @@ class DatasetConfig(BaseModel):
                 raise ValueError(f"reward_fns are graded by env_name 'reward_fn', but env_name is {self.env_name!r}")
             if self.processor is None:
                 self.processor = "math"  # prompt-only rows; every column reaches the functions
+        if self.processor is None and self.env_name not in PROCESSOR_REGISTRY:
+            # An environment of the user's (register_env) grades prompt-only rows unless a processor of
+            # its name is registered too; decided now, so the config on disk says which processor ran.
+            self.processor = "math"
+        if self.subset is not None and not (self.path or "").startswith("hf:"):
+            raise ValueError(f"subset={self.subset!r} selects a subset of an hf: dataset, but path is "
+                             f"{self.path!r}; remove subset (a local file is one subset)")
         return self
-
-
-_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def load_dataset_from_config(cfg: DatasetConfig) -> datasets.Dataset:
     """Load the dataset ``cfg`` describes, with columns ``problem``, ``expected_answer`` and ``task_name``.
 
     Columns named ``cfg.problem_key``/``cfg.answer_key`` are renamed to ``problem``/``expected_answer``
-    (both cast to strings); other columns are kept (e.g. ``response`` for SFT). ``task_name`` is set to
+    (both cast to strings, except a problem column of conversations: lists of messages, kept as they are
+    and checked); other columns are kept (e.g. ``response`` for SFT). ``task_name`` is set to
     ``cfg.task_name`` on every row. Raises DataError naming the file (and line) when the data is bad.
+
+    Conversations are rendered as written, so ``cfg.prompt`` and ``cfg.few_shot`` must be unset.
+    ``cfg.system_prompt`` is put first in the conversations without a system message; one that has its
+    own keeps it (a UserWarning counts those rows).
     """
     if cfg.generator is not None:
         ds = _generate(cfg.generator)
@@ -317,106 +340,36 @@ def load_dataset_from_config(cfg: DatasetConfig) -> datasets.Dataset:
     else:
         assert cfg.path is not None
         if cfg.path.startswith("hf:"):
-            ds = _load_hub(cfg.path[3:], cfg.split)
+            ds = load_hub(cfg.path[3:], cfg.subset, cfg.split)
+            source = cfg.path + (f" (subset {cfg.subset}, split {cfg.split})" if cfg.subset else f" (split {cfg.split})")
         else:
-            ds = _load_local(cfg.path)
-        source = cfg.path
-    ds = _normalise_columns(ds, cfg, source)
+            ds = load_local(cfg.path, cfg.problem_key)
+            source = cfg.path
+    conversational = check_prompt_column(ds, cfg.problem_key, source)
+    if conversational:
+        _check_conversation_options(ds[cfg.problem_key], cfg, source)
+    ds = _normalise_columns(ds, cfg, source, conversational)
     if cfg.num_samples is not None and len(ds) > cfg.num_samples:
         ds = ds.select(range(cfg.num_samples))
     return ds
 
 
-def _load_hub(name: str, split: str) -> datasets.Dataset:
-    if not name:
-        raise DataError("hf:: missing dataset name after 'hf:'")
-    try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # network, auth, unknown name/split: all reported the same way
-        raise DataError(f"hf:{name}: could not load split '{split}' ({type(e).__name__}: {e})") from e
-    if not isinstance(ds, datasets.Dataset):
-        raise DataError(f"hf:{name}: split '{split}' did not give a single dataset (got {type(ds).__name__})")
-    return ds
+def _check_conversation_options(conversations: list[Any], cfg: DatasetConfig, source: str) -> None:
+    for key, value in (("prompt", cfg.prompt), ("few_shot", cfg.few_shot)):
+        if value:
+            raise DataError(f"{source}: column '{cfg.problem_key}' holds conversations (lists of messages), "
+                            f"rendered as written, so this dataset cannot also have a {key} "
+                            f"({cfg.few_shot_turns() if key == 'few_shot' else value!r}); set its {key} to null "
+                            "(a parent config may have set it)")
+    if cfg.system_prompt:
+        own = sum(1 for c in conversations if c and c[0].get("role") == "system")
+        if own:
+            warnings.warn(f"{source}: {own} of {len(conversations)} conversations have a system message of "
+                          f"their own and keep it; system_prompt ({cfg.system_prompt!r}) is put first in the "
+                          "others only", UserWarning, stacklevel=3)
 
 
-def _load_local(path: str) -> datasets.Dataset:
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{path}: file not found" if not p.exists() else f"{path}: not a regular file")
-    fmt = _LOCAL_FORMATS.get(p.suffix.lower())
-    if fmt is None:
-        raise DataError(
-            f"{path}: unsupported file type '{p.suffix}' (expected one of {sorted(_LOCAL_FORMATS)})"
-        )
-    if p.suffix.lower() == ".jsonl":
-        _validate_jsonl(p)
-    elif p.suffix.lower() == ".json":
-        _validate_json(p)
-    try:
-        ds = datasets.load_dataset(fmt, data_files=str(p), split="train")
-    except Exception as e:  # e.g. inconsistent column types; datasets' own message is kept
-        raise DataError(f"{path}: could not load as {fmt} ({type(e).__name__}: {e})") from e
-    if len(ds) == 0:
-        raise DataError(f"{path}: no rows")
-    return ds
-
-
-def _validate_jsonl(path: Path) -> None:
-    """Check each line ourselves: datasets' JSON errors do not give the offending line number."""
-    rows = 0
-    # newline="\n": count lines the way JSON Lines defines them (a stray "\r" is not a line break).
-    with path.open("r", encoding="utf-8", newline="\n") as f:
-        for lineno, line in enumerate(_lines(f, path), start=1):
-            if not line.strip():
-                continue
-            try:
-                # Parse without the line ending so error columns point into the line itself.
-                row = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows += 1
-    if rows == 0:
-        raise DataError(f"{path}: no rows")
-
-
-def _lines(f: Any, path: Path) -> Any:
-    try:
-        yield from f
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e})") from None
-
-
-def _validate_json(path: Path) -> None:
-    """A .json file may hold one JSON array of objects, or be JSON Lines under another name."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        first = text.lstrip().split("\n", 1)[0]
-        try:
-            looks_like_lines = isinstance(json.loads(first), dict)
-        except json.JSONDecodeError:
-            looks_like_lines = False
-        if looks_like_lines:
-            _validate_jsonl(path)
-            return
-        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if isinstance(data, list):
-        for i, row in enumerate(data):
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: item {i} of the top-level array is a {type(row).__name__}, not an object")
-        if not data:
-            raise DataError(f"{path}: no rows")
-    elif not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
-
-
-def _normalise_columns(ds: datasets.Dataset, cfg: DatasetConfig, source: str) -> datasets.Dataset:
+def _normalise_columns(ds: datasets.Dataset, cfg: DatasetConfig, source: str, conversational: bool) -> datasets.Dataset:
     present = list(ds.column_names)
     for key, role, target in (
         (cfg.problem_key, "problem_key", "problem"),
@@ -432,7 +385,7 @@ def _normalise_columns(ds: datasets.Dataset, cfg: DatasetConfig, source: str) ->
     renames = {k: t for k, t in ((cfg.problem_key, "problem"), (cfg.answer_key, "expected_answer")) if k != t}
     if renames:
         ds = ds.rename_columns(renames)
-    for column in ("problem", "expected_answer"):
+    for column in ("expected_answer",) if conversational else ("problem", "expected_answer"):
         if ds.features[column] != datasets.Value("string"):
             try:
                 ds = ds.cast_column(column, datasets.Value("string"))

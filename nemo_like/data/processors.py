@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from nemo_like.data.interfaces import DatumSpec, LLMMessageLogType, TaskDataSpec
+from nemo_like.data.messages import clean_conversation, is_conversation
 from nemo_like.utils.registry import Registry, import_from_path
 
 
@@ -34,8 +35,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     tool-calling template shows). ValueError naming the fix when the tokenizer has no template."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has no chat template; set tokenizer.chat_template "
-            "(e.g. nemo_like.data.chat_templates.CHATML_TEMPLATE)"
+            f"tokenizer {type(tokenizer).__name__} has no chat template; set policy.chat_template to a jinja "
+            "template (a string or a .jinja file), 'chatml', or 'raw' for prompts as plain text "
+            "(in code: tokenizer.chat_template = nemo_like.data.chat_templates.CHATML_TEMPLATE)"
         )
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
@@ -58,17 +60,39 @@ def _field(datum: Mapping[str, Any], key: str, idx: int) -> Any:
     return datum[key]
 
 
-def prompt_chat(datum: Mapping[str, Any], spec: TaskDataSpec, idx: int) -> list[dict[str, str]]:
+def prompt_chat(datum: Mapping[str, Any], spec: TaskDataSpec, idx: int) -> list[dict[str, Any]]:
     """The prompt's messages: the system prompt, the worked examples (``few_shot``) as earlier turns, then
-    the user turn ``spec.prompt.format(problem)`` (or the row's ``problem``). KeyError naming the row."""
-    problem = str(_field(datum, "problem", idx))
-    chat: list[dict[str, str]] = []
+    the user turn ``spec.prompt.format(problem)`` (or the row's ``problem``). KeyError naming the row.
+
+    A ``problem`` that is a list of messages (a conversational prompt) is the conversation as written:
+    ``spec.system_prompt`` goes first only when the conversation has no system message of its own (the
+    row's wins), and ``spec.prompt`` / ``spec.few_shot`` must be unset (ValueError: nothing to format).
+    """
+    problem = _field(datum, "problem", idx)
+    if is_conversation(problem):
+        return _conversation_chat(problem, spec, idx)
+    problem = str(problem)
+    chat: list[dict[str, Any]] = []
     if spec.system_prompt:
         chat.append({"role": "system", "content": spec.system_prompt})
     for shot in spec.few_shot or ():
         chat.append({"role": "user", "content": spec.prompt.format(shot["problem"]) if spec.prompt else shot["problem"]})
         chat.append({"role": "assistant", "content": shot["response"]})
     chat.append({"role": "user", "content": spec.prompt.format(problem) if spec.prompt else problem})
+    return chat
+
+
+def _conversation_chat(messages: Any, spec: TaskDataSpec, idx: int) -> list[dict[str, Any]]:
+    try:
+        chat = clean_conversation(messages)
+    except ValueError as e:
+        raise ValueError(f"row {idx}: the prompt conversation is malformed: {e}") from None
+    for what, value in (("prompt", spec.prompt), ("few_shot", spec.few_shot)):
+        if value:
+            raise ValueError(f"row {idx}: a conversational prompt is rendered as written, so task "
+                             f"{spec.task_name!r} cannot also have a {what} ({value!r}); set {what} to null")
+    if spec.system_prompt and chat[0]["role"] != "system":
+        chat.insert(0, {"role": "system", "content": spec.system_prompt})
     return chat
 
 

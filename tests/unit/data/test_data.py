@@ -223,9 +223,9 @@ def test_hub_paths(monkeypatch):
 
     calls = []
 
-    def fake_load(name, split):  # injected: no hub access here
-        calls.append((name, split))
-        if name == "org/broken":
+    def fake_load(path, name, split):  # injected: no hub access here (test_prompts_and_sources loads for real)
+        calls.append((path, name, split))
+        if path == "org/broken":
             raise ConnectionError("offline")
         return datasets.Dataset.from_dict({"question": ["1+2="], "answer": ["3"]})
 
@@ -234,7 +234,10 @@ def test_hub_paths(monkeypatch):
         load_dataset_from_config(DatasetConfig(path="hf:org/broken", split="test"))
     ds = load_dataset_from_config(DatasetConfig(path="hf:org/math", split="train", problem_key="question", answer_key="answer"))
     assert ds.to_list() == [{"problem": "1+2=", "expected_answer": "3", "task_name": "math"}]
-    assert calls == [("org/broken", "test"), ("org/math", "train")]
+    ds = load_dataset_from_config(DatasetConfig(path="hf:org/math", subset="main", problem_key="question",
+                                                answer_key="answer"))
+    assert ds["problem"] == ["1+2="]
+    assert calls == [("org/broken", None, "test"), ("org/math", None, "train"), ("org/math", "main", "train")]
 
 
 # --------------------------------------------------------------------------- processors
