@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nemo_like.data.chat_templates import resolve_chat_template
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.interfaces import GenerationConfig
 
@@ -152,6 +153,10 @@ class PolicyConfig(BaseModel):
     model_name: str = Field(..., description="HF hub id or local folder (save_pretrained layout)")
     # HF hub id or local folder of the tokenizer; None: model_name's.
     tokenizer_name: str | None = None
+    # How prompts become text: "default" (the tokenizer's own chat template; a tokenizer without one is
+    # refused), "chatml", a jinja template (a string with {% or {{, or the path of a .jinja file), or
+    # "raw" / null: no template, the messages' text as it is (a base model reading plain prompts).
+    chat_template: str | None = "default"
     # The training worker (models/policy/backends.py): "hf" (transformers, FSDP2) or "megatron"
     # (Megatron-core GPTModel; pip install 'nemo_like[megatron]'), or a registered name.
     backend: str = "hf"
@@ -217,6 +222,12 @@ class PolicyConfig(BaseModel):
             raise ValueError(f"policy.sequence_packing.row_length ({sp.row_length}) is larger than "
                              f"policy.sequence_packing.max_tokens_per_microbatch ({sp.max_tokens_per_microbatch})")
         return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_readable(cls, value: str | None) -> str | None:
+        resolve_chat_template(value)  # a missing file or a syntax error now, not after Ray started
+        return value
 
     _no_float16 = field_validator("precision")(lambda cls, v: refuse_float16_training(v, "policy.precision"))
 
