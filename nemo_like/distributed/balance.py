@@ -79,12 +79,15 @@ def prompt_group_size(input_ids: torch.Tensor, token_mask: torch.Tensor | None) 
     return runs[0] if len(set(runs)) == 1 else 1
 
 
-def balance_over_shards(data, shards: int, batch_size: int | None = None):
+def balance_over_shards(data, shards: int, batch_size: int | None = None, unit: int | None = None):
     """``data`` (a BatchedDataDict with ``input_ids``, ``input_lengths`` and, to keep prompt groups
     whole, ``token_mask``) reordered by ``balanced_permutation``, and the permutation; unchanged (and
-    None) for one shard. ``data.select_indices(torch.argsort(perm))`` puts results back in order."""
+    None) for one shard. ``unit``: rows that move together (a reward model's pair is 2); None: the
+    prompt groups ``token_mask`` shows. ``data.select_indices(torch.argsort(perm))`` puts results
+    back in order."""
     if shards <= 1 or "input_lengths" not in data:
         return data, None
-    unit = prompt_group_size(data["input_ids"], data.get("token_mask"))
+    if unit is None:
+        unit = prompt_group_size(data["input_ids"], data.get("token_mask"))
     perm = balanced_permutation(data["input_lengths"], shards, batch_size, unit)
     return data.select_indices(perm), perm

@@ -212,19 +212,20 @@ class RayWorkerGroup:
             for rank, (w, shard) in enumerate(zip(self._workers, shards, strict=True))
         ]
 
-    def run_rows(self, method: str, data: BatchedDataDict, *, balance: bool = False, **kwargs: Any) -> BatchedDataDict:
+    def run_rows(self, method: str, data: BatchedDataDict, *, balance: bool = False, balance_unit: int | None = None,
+                 **kwargs: Any) -> BatchedDataDict:
         """``method`` over ``data``'s rows split across the workers, the per-row results gathered in
         ``data``'s order. Every worker gets the same number of rows (FSDP's collectives run in lock
         step): a batch that does not divide is padded with copies of row 0, whose results are dropped.
         ``balance``: rows reordered first so that each worker gets about the same tokens
-        (``balance_over_shards``; results put back in order)."""
+        (``balance_over_shards``, ``balance_unit`` rows kept together; results put back in order)."""
         n = data.size
         pad = (-n) % self.world_size
         perm = None
         if pad:
             data = BatchedDataDict.from_batches([data, data.select_indices([0] * pad)])
         elif balance:
-            data, perm = balance_over_shards(data, self.world_size)
+            data, perm = balance_over_shards(data, self.world_size, unit=balance_unit)
         out = BatchedDataDict.from_batches(self.get_all_worker_results(
             self.run_all_workers_sharded_data(method, data, **kwargs)))
         if perm is not None:

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from nemo_like.distributed.balance import balance_over_shards, shard_token_imbalance
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.distributed.resource_pools import Placement
 from nemo_like.distributed.worker_group import RayWorkerGroup
 from nemo_like.models.policy.interfaces import LoraConfig, OptimizerConfig, SchedulerConfig
 from nemo_like.models.policy.lora import apply_lora
@@ -57,6 +58,11 @@ class RewardModelConfig(BaseModel):
     # Train LoRA adapters (and the new head, whole) instead of every weight; the saved model has the
     # adapters merged in, a plain HF folder as without them.
     lora: LoraConfig = LoraConfig()
+    # Several workers: reorder each global batch so that every worker gets about the same tokens (a
+    # pair's two sides kept together), for training and scoring, as policy.balance_batch does for the
+    # policy; the scores and the update are the same. train/dp_token_imbalance: the busiest worker's
+    # tokens / the mean.
+    balance_batch: bool = True
 
 
 class LastTokenScore(nn.Module):
@@ -259,7 +265,7 @@ class RewardModelWorker(TrainingWorkerBase):
 class RewardModel:
     """The driver-side facade: ``score(batch)``, ``train_pairs(pairs)``, ``save(path)``."""
 
-    def __init__(self, cluster: RayVirtualCluster, config: RewardModelConfig, *, seed: int = 0,
+    def __init__(self, cluster: Placement, config: RewardModelConfig, *, seed: int = 0,
                  name_prefix: str = "reward_model"):
         self.cfg = config
         if config.train_global_batch_size % cluster.num_workers:
@@ -275,7 +281,8 @@ class RewardModel:
     def score(self, data: BatchedDataDict) -> torch.Tensor:
         """[B] scores of ``input_ids`` / ``input_lengths``."""
         sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        return self.worker_group.run_rows("score", sub)["scores"]
+        # Rows 2i and 2i+1 stay on one worker: packing computes a pair's shared prompt once.
+        return self.worker_group.run_rows("score", sub, balance=self.cfg.balance_batch, balance_unit=2)["scores"]
 
     def train_pairs(self, data: BatchedDataDict) -> dict[str, float]:
         """Pairs as rows 2i (chosen) and 2i+1 (rejected), a whole number of global batches."""
@@ -286,8 +293,13 @@ class RewardModel:
         # Each global batch of 2 x gbs rows is cut into equal contiguous pieces, one per rank: an even
         # number of rows each, so a pair's two rows stay together.
         sub = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        # Whole pairs moved inside each global batch: every optimizer step sees the same pairs.
+        sub, _ = balance_over_shards(sub, self.world_size if self.cfg.balance_batch else 1, 2 * gbs, unit=2)
         refs = self.worker_group.run_all_workers_sharded_data("train_pairs", sub, batch_size=2 * gbs)
-        return self._results(refs)[0]
+        out = self._results(refs)[0]
+        if self.world_size > 1:
+            out["dp_token_imbalance"] = shard_token_imbalance(sub["input_lengths"], self.world_size, 2 * gbs)
+        return out
 
     def save(self, path: str) -> None:
         self._results(self.worker_group.run_all_workers_single_data("save", str(path)))

@@ -89,6 +89,39 @@ def test_score_train_save_and_two_ranks(ray_session, model_dir, pairs, tmp_path)
     assert m1["loss"] == pytest.approx(first["loss"], rel=1e-5)  # from the same start, the same first step
 
 
+def test_balanced_batches_make_the_same_scores_and_update_on_two_workers(ray_session, model_dir, tmp_path):
+    """reward_model.balance_batch: whole pairs moved inside each global batch so that both workers get
+    about the same tokens; the scores and the optimizer step are those of the unbalanced pass."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"problem": "x" * k + f"{a}+{b}=", "expected_answer": str(a + b)}
+            for k in (0, 24) for a in (3, 4, 5, 6) for b in (1, 7)]
+    data = tokenize_pairs(math_preference_pairs(rows, seed=0), tok, max_length=60)  # 16 pairs, two lengths
+    assert not data["truncated"].any()
+    # Each global batch of 8 pairs: its long pairs first, so that unbalanced rank 0 gets all of them.
+    by_len = torch.argsort(data["input_lengths"].view(-1, 2).sum(dim=1), descending=True, stable=True).tolist()
+    order = by_len[0:4] + by_len[12:16] + by_len[4:8] + by_len[8:12]
+    rows_idx = torch.tensor([2 * p + k for p in order for k in (0, 1)])
+    batch = BatchedDataDict(input_ids=data["input_ids"][rows_idx], input_lengths=data["input_lengths"][rows_idx])
+    cluster = RayVirtualCluster(2, cpus_per_worker=1)
+    rm = RewardModel(cluster, _cfg(model_dir, train_micro_batch_size=2, balance_batch=False), seed=0)
+    got = {}
+    try:
+        rm.save_checkpoint(str(tmp_path / "start"))
+        for balance in (False, True):  # the same workers, from the same weights and optimizer state
+            rm.cfg = rm.cfg.model_copy(update={"balance_batch": balance})
+            rm.load_checkpoint(str(tmp_path / "start"))
+            got[balance] = (rm.score(batch), rm.train_pairs(batch), rm.score(batch))
+    finally:
+        rm.shutdown()
+        cluster.shutdown()
+    (s0, m0, a0), (s1, m1, a1) = got[False], got[True]
+    assert torch.allclose(s0, s1, atol=1e-5) and torch.allclose(a0, a1, atol=1e-5)
+    assert not torch.allclose(a0, s0, atol=1e-3)  # it trained
+    for k in ("loss", "accuracy", "margin", "grad_norm"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
+    assert m0["dp_token_imbalance"] > 1.2 and m1["dp_token_imbalance"] < 1.02, (m0, m1)
+
+
 def test_bad_batches_are_refused(ray_session, model_dir, pairs):
     two_cluster = RayVirtualCluster(2, cpus_per_worker=1)
     try:  # refused before any worker starts
