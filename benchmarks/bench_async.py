@@ -3,6 +3,8 @@
     uv run benchmarks/bench_async.py                                  # multi-env default, latency 0 and 1 s
     uv run benchmarks/bench_async.py --latency 1.0 --steps 12         # one scenario, shorter
     uv run benchmarks/bench_async.py --png async.png --json async.json key=value ...
+    uv run benchmarks/bench_async.py --latency 1.0 --seeds 4 --val-samples 400 --json a.json   # paired stats
+    uv run benchmarks/bench_async.py --report a.json                  # the tables of a saved (or partial) run
 
 For each tool-call latency (``env.tool.call_latency_s``: every tool call waits that long, as a web
 API would), the synchronous loop (the config as it is) and the asynchronous one
@@ -11,6 +13,15 @@ steps from the same base model, one after the other, each in a fresh subprocess.
 training loop's (validation included, Ray start and model loading not). The table gives both
 sides' wall time, their ratio and the final per-task held-out accuracies; the PNG plots held-out
 accuracy against wall-clock seconds.
+
+With ``--seeds N`` (or ``--seed-list``) each side runs once per ``grpo.seed`` (the prompt order and the
+sampling; the base model is the same), and every task's final held-out results are compared problem
+by problem: both sides of a seed grade the same problems, so each (seed, problem) is a pair. Per task
+the table gives the mean accuracy of each side, the mean async - sync difference over seeds with its
+spread and 95% t-interval (the test of the training procedure: a seed is the unit that varies), the
+pooled McNemar exact test over every (seed, problem) pair (the test of these trained models), and
+the mean policy-version lag of each task's training samples. ``--val-samples`` raises every held-out
+set (capped at what a generated split holds). Results are written to ``--json`` after every run.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from nemo_like.utils.stats import mcnemar_exact_p, paired_counts, paired_mean_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "configs" / "grpo_multi_env_tiny.yaml"
@@ -47,22 +60,59 @@ def async_overrides(staleness: int, cpus: int, split: tuple[int, int] | None = N
     return out
 
 
-def run_child(config: str, overrides: list[str], out: str) -> None:
+def val_samples_override(config: str, overrides: list[str], n: int) -> list[str]:
+    """``grpo.max_val_samples`` and every generated validation set raised to ``n`` problems (a split
+    with fewer gives all it has: num_samples null where the generator allows it)."""
+    from nemo_like.config import load_config
+    from nemo_like.data.datasets import load_dataset_from_config
+    from nemo_like.data.errors import DataError
+
+    cfg = load_config(config, overrides)
+    sets = []
+    for v in cfg.data.validation_list:
+        d = v.model_dump(exclude_unset=True, mode="json")
+        if v.generator is not None:
+            d["generator"]["num_samples"] = n
+            try:
+                load_dataset_from_config(v.model_copy(update={"generator": v.generator.model_copy(
+                    update={"num_samples": n})}))
+            except DataError:
+                if "num_samples" not in type(v.generator).model_fields or \
+                        type(v.generator).model_fields["num_samples"].is_required():
+                    raise
+                d["generator"]["num_samples"] = None  # every problem of the split
+        sets.append(d)
+    return [f"grpo.max_val_samples={n}", f"data.validation={json.dumps(sets)}"]
+
+
+def _task_lag(batch: dict, step: int) -> dict[str, float]:
+    """Mean steps behind the trained weights of each task's samples in this step's batch."""
+    if "policy_version" not in batch:
+        return {}
+    lag = (step - batch["policy_version"]).clamp(min=0).float().tolist()
+    out: dict[str, list[float]] = {}
+    for t, x in zip(batch["task_name"], lag):
+        out.setdefault(t, []).append(x)
+    return {f"lag/{t}": sum(xs) / len(xs) for t, xs in out.items()}
+
+
+def run_child(config: str, spec: dict, out: str) -> None:
     """One training run: setup, then step() to the end, validating as the config says."""
     from nemo_like.algorithms.grpo_run import setup
     from nemo_like.config import load_config
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, spec["overrides"])
     trainer = setup(cfg, resume=False)
     points, steps = [], []
     try:
-        trainer.validate()  # the base model's: the same for both sides, not timed
-        points.append({"wall_s": 0.0, "step": 0, **trainer.last_val_metrics})
+        if spec.get("base_val", True):
+            trainer.validate()  # the base model's: the same for both sides and every seed, not timed
+            points.append({"wall_s": 0.0, "step": 0, **trainer.last_val_metrics})
         t0 = time.perf_counter()
         for _ in range(cfg.grpo.max_num_steps):
             m = trainer.step()
-            steps.append({k: v for k, v in m.items() if k.startswith(("timing/", "train/staleness", "async/",
-                                                                      "train/policy_version_lag", "train/reward_mean"))})
+            steps.append({k: v for k, v in m.items() if k.startswith(("timing/", "train/", "async/"))}
+                         | _task_lag(trainer.last_batch, trainer.step_count - 1))
             if any(k.startswith("val/") for k in m):
                 points.append({"wall_s": time.perf_counter() - t0, "step": trainer.step_count,
                                **{k: v for k, v in m.items() if k.startswith("val/")}})
@@ -70,9 +120,10 @@ def run_child(config: str, overrides: list[str], out: str) -> None:
             trainer.validate()
             points.append({"wall_s": time.perf_counter() - t0, "step": trainer.step_count, **trainer.last_val_metrics})
         wall = time.perf_counter() - t0
+        final = trainer.last_val_results
     finally:
         trainer.close()
-    Path(out).write_text(json.dumps({"wall_s": wall, "points": points, "steps": steps}))
+    Path(out).write_text(json.dumps({"wall_s": wall, "points": points, "steps": steps, "final": final}))
 
 
 def _accs(point: dict) -> dict[str, float]:
@@ -91,57 +142,164 @@ def main(argv: list[str]) -> int:
                          "to the trainer, the other half shared by the rollout workers, at least one each)")
     ap.add_argument("--rollout-workers", type=int, default=2,
                     help="async rollout workers (default 2: on 2 cores they take the trainer's core while it waits)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="runs per side: grpo.seed, grpo.seed+1, ... (default: the config's seed, once)")
+    ap.add_argument("--seed-list", default=None, metavar="A,B,...", help="these grpo.seed values instead")
+    ap.add_argument("--val-samples", type=int, default=None,
+                    help="held-out problems per task (grpo.max_val_samples and every generated validation set; "
+                         "a split with fewer gives all it has)")
+    ap.add_argument("--base-val-every", action="store_true",
+                    help="validate the base model in every run (default: in the first seed's only: it is the same)")
+    ap.add_argument("--report", default=None, metavar="JSON", help="print the tables of a saved --json and exit")
     ap.add_argument("--png", default="bench_async.png")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="every run's results, written after each run")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args, overrides = ap.parse_known_args(argv)
     if args._child:
         spec, out = args._child
         run_child(args.config, json.loads(spec), out)
         return 0
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        print_report(saved["meta"], _runs_from_json(saved["runs"]))
+        return 0
     cpus = os.cpu_count() or 2
     if args.rollout_workers < 1:
         ap.error(f"--rollout-workers must be at least 1, got {args.rollout_workers}")
+    if args.seeds is not None and args.seed_list:
+        ap.error("give --seeds N or --seed-list a,b,..., not both")
+    if args.seeds is not None and args.seeds < 1:
+        ap.error(f"--seeds must be at least 1, got {args.seeds}")
     split = tuple(int(x) for x in args.async_threads.split(",")) if args.async_threads else None
     latencies = args.latency or [0.0, 1.0]
     base = QUIET + ([f"grpo.max_num_steps={args.steps}"] if args.steps else []) + overrides
-    results: dict[tuple[float, str], dict] = {}
+    if args.val_samples:
+        base += val_samples_override(args.config, base, args.val_samples)
+    seeds: list[int | None] = [None]  # the config's own grpo.seed
+    if args.seed_list:
+        seeds = [int(x) for x in args.seed_list.split(",")]
+    elif args.seeds:
+        from nemo_like.config import load_config
+
+        first = load_config(args.config, base).grpo.seed
+        seeds = [first + i for i in range(args.seeds)]
+    async_o = async_overrides(args.staleness, cpus, split, args.rollout_workers)
+    meta = {"command": f"uv run benchmarks/bench_async.py {' '.join(argv)}", "config": args.config, "cpus": cpus,
+            "async": async_o, "staleness": args.staleness, "latencies": latencies, "seeds": seeds}
+    runs: dict[tuple[float, int | None, str], dict] = {}
     for lat in latencies:
         # Tool calls that wait on I/O must not queue for a thread: a slot per call of a whole batch.
         lat_o = [f"env.tool.call_latency_s={lat}", "env.tool.max_concurrent_calls=256", "env.tool.max_stuck_calls=256",
                  f"env.tool.timeout_s={max(2.0, 2 * lat + 1)}"] if lat else []
-        for mode, extra in (("sync", []), ("async", async_overrides(args.staleness, cpus, split, args.rollout_workers))):
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "r.json"
-                cmd = [sys.executable, __file__, "--config", args.config, "--_child",
-                       json.dumps(base + lat_o + extra), str(out)]
-                print(f"[bench_async] latency {lat:g} s, {mode}: running", flush=True)
-                subprocess.run(cmd, check=True, cwd=ROOT)
-                results[(lat, mode)] = json.loads(out.read_text())
-
-    print(f"\ncommand: uv run benchmarks/bench_async.py {' '.join(argv)}")
-    print(f"config: {args.config} ({os.cpu_count()} CPUs); async: max_staleness={args.staleness}, "
-          f"{' '.join(async_overrides(args.staleness, cpus, split, args.rollout_workers)[4:])}\n")
-    print("| tool latency | mode | wall s | s/step | async/sync | final held-out accuracy per task | staleness max |")
-    print("|---|---|---|---|---|---|---|")
-    for lat in latencies:
-        sync_wall = results[(lat, "sync")]["wall_s"]
-        for mode in ("sync", "async"):
-            r = results[(lat, mode)]
-            n = max(1, len(r["steps"]))
-            accs = ", ".join(f"{t} {a:.1%}" for t, a in _accs(r["points"][-1]).items())
-            stale = max((s.get("train/staleness_max", 0.0) for s in r["steps"]), default=0.0)
-            ratio = f"{r['wall_s'] / sync_wall:.2f}" if mode == "async" else ""
-            print(f"| {lat:g} s | {mode} | {r['wall_s']:.1f} | {r['wall_s'] / n:.2f} | {ratio} | {accs} | "
-                  f"{stale:g} |")
-    _plot(results, latencies, args.png)
-    print(f"\naccuracy against wall-clock seconds: {args.png}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({f"{k[0]}/{k[1]}": v for k, v in results.items()}, indent=1))
+        for seed in seeds:
+            seed_o = [] if seed is None else [f"grpo.seed={seed}"]
+            for mode, extra in (("sync", []), ("async", async_o)):
+                # The base model's validation is the same for every run: once per latency is enough.
+                spec = {"overrides": base + lat_o + seed_o + extra, "base_val": seed == seeds[0] or args.base_val_every}
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "r.json"
+                    cmd = [sys.executable, __file__, "--config", args.config, "--_child", json.dumps(spec), str(out)]
+                    print(f"[bench_async] latency {lat:g} s, seed {seed if seed is not None else 'default'}, "
+                          f"{mode}: running", flush=True)
+                    subprocess.run(cmd, check=True, cwd=ROOT)
+                    runs[(lat, seed, mode)] = json.loads(out.read_text())
+                if args.json:  # after every run: a run cut short still leaves what it measured
+                    Path(args.json).write_text(json.dumps({"meta": meta, "runs": {
+                        f"{k[0]}/{k[1]}/{k[2]}": v for k, v in runs.items()}}, indent=1))
+    print_report(meta, runs)
+    _plot(runs, latencies, seeds[0], args.png)
+    print(f"\naccuracy against wall-clock seconds (seed {seeds[0] if seeds[0] is not None else 'default'}): {args.png}")
     return 0
 
 
-def _plot(results: dict, latencies: list[float], path: str) -> None:
+def _runs_from_json(saved: dict) -> dict[tuple[float, int | None, str], dict]:
+    out = {}
+    for key, v in saved.items():
+        lat, seed, mode = key.split("/")
+        out[(float(lat), None if seed == "None" else int(seed), mode)] = v
+    return out
+
+
+def per_task(final: dict) -> dict[str, list[bool]]:
+    """A validation's per-problem results (``trainer.last_val_results``) split by task, in order."""
+    out: dict[str, list[bool]] = {}
+    for t, ok in zip(final["task_name"], final["correct"]):
+        out.setdefault(t, []).append(bool(ok))
+    return out
+
+
+def mean_lag(steps: list[dict], task: str) -> float:
+    """Mean over steps of a task's mean policy-version lag (0: every sample from the trained weights)."""
+    xs = [s[f"lag/{task}"] for s in steps if f"lag/{task}" in s]
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def compare_tasks(runs: dict[tuple[int | None, str], dict]) -> dict[str, dict]:
+    """Per task, async against sync over the seeds both sides finished: each side's per-seed
+    accuracy (points), the per-seed differences with their mean, spread, 95% t-interval and t-test p,
+    the McNemar exact test over every (seed, problem) pair, and each side's mean lag."""
+    seeds = sorted({s for s, m in runs if (s, "sync") in runs and (s, "async") in runs}, key=lambda s: (s is None, s))
+    rows: dict[str, dict] = {}
+    for seed in seeds:
+        sync, asyn = per_task(runs[(seed, "sync")]["final"]), per_task(runs[(seed, "async")]["final"])
+        for task, before in sync.items():
+            after = asyn[task]
+            gained, lost = paired_counts(before, after)
+            r = rows.setdefault(task, {"seeds": [], "sync": [], "async": [], "diff": [], "gained": 0, "lost": 0,
+                                       "pairs": 0, "lag_sync": [], "lag_async": []})
+            a_s, a_a = 100 * sum(before) / len(before), 100 * sum(after) / len(after)
+            r["seeds"].append(seed)
+            r["sync"].append(a_s)
+            r["async"].append(a_a)
+            r["diff"].append(a_a - a_s)
+            r["gained"] += gained
+            r["lost"] += lost
+            r["pairs"] += len(before)
+            r["lag_sync"].append(mean_lag(runs[(seed, "sync")]["steps"], task))
+            r["lag_async"].append(mean_lag(runs[(seed, "async")]["steps"], task))
+    for r in rows.values():
+        r["mcnemar_p"] = mcnemar_exact_p(r["gained"], r["lost"])
+        r["seed_test"] = paired_mean_difference(r["diff"])
+    return rows
+
+
+def _fmt_p(p: float) -> str:
+    return "n/a" if p != p else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def print_report(meta: dict, runs: dict[tuple[float, int | None, str], dict]) -> None:
+    print(f"\ncommand: {meta['command']}")
+    print(f"config: {meta['config']} ({meta['cpus']} CPUs); async: max_staleness={meta['staleness']}, "
+          f"{' '.join(meta['async'][4:])}\n")
+    print("| tool latency | seed | mode | wall s | s/step | async/sync | final held-out accuracy per task | "
+          "staleness max |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (lat, seed, mode), r in sorted(runs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2] != "sync")):
+        n = max(1, len(r["steps"]))
+        accs = ", ".join(f"{t} {a:.1%}" for t, a in _accs(r["points"][-1]).items())
+        stale = max((s.get("train/staleness_max", 0.0) for s in r["steps"]), default=0.0)
+        sync = runs.get((lat, seed, "sync"))
+        ratio = f"{r['wall_s'] / sync['wall_s']:.2f}" if mode == "async" and sync else ""
+        print(f"| {lat:g} s | {seed} | {mode} | {r['wall_s']:.1f} | {r['wall_s'] / n:.2f} | {ratio} | {accs} | {stale:g} |")
+    for lat in sorted({k[0] for k in runs}):
+        rows = compare_tasks({(s, m): v for (la, s, m), v in runs.items() if la == lat})
+        if not rows:
+            continue
+        print(f"\ntool latency {lat:g} s, async - sync per task (points; seeds {next(iter(rows.values()))['seeds']}):\n")
+        print("| task | sync mean | async mean | per-seed diff | mean diff | sd | 95% interval | t-test p | "
+              "(seed, problem) pairs | gained / lost | McNemar p | lag sync | lag async |")
+        print("|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
+        for task, r in rows.items():
+            t = r["seed_test"]
+            n = len(r["diff"])
+            print(f"| {task} | {sum(r['sync']) / n:.1f} | {sum(r['async']) / n:.1f} | "
+                  f"{', '.join(f'{d:+.1f}' for d in r['diff'])} | {t['mean']:+.1f} | {t['sd']:.1f} | "
+                  f"[{t['ci_low']:+.1f}, {t['ci_high']:+.1f}] | {_fmt_p(t['p'])} | {r['pairs']} | "
+                  f"{r['gained']} / {r['lost']} | {_fmt_p(r['mcnemar_p'])} | {sum(r['lag_sync']) / n:.2f} | "
+                  f"{sum(r['lag_async']) / n:.2f} |")
+
+
+def _plot(runs: dict, latencies: list[float], seed: int | None, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +308,8 @@ def _plot(results: dict, latencies: list[float], path: str) -> None:
     fig, axes = plt.subplots(1, len(latencies), figsize=(5.5 * len(latencies), 3.6), squeeze=False)
     for ax, lat in zip(axes[0], latencies):
         for mode, style in (("sync", "-"), ("async", "--")):  # a colour per task, a line style per mode
-            pts = results[(lat, mode)]["points"]
-            for k, task in enumerate(_accs(pts[0])):
+            pts = runs[(lat, seed, mode)]["points"]
+            for k, task in enumerate(_accs(pts[-1])):
                 xs = [p["wall_s"] for p in pts]
                 ys = [_accs(p).get(task, float("nan")) for p in pts]
                 ax.plot(xs, ys, style, color=f"C{k}", marker="o" if mode == "sync" else "s", label=f"{mode} {task}")
