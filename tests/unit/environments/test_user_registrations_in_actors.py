@@ -97,3 +97,31 @@ def test_names_registered_in_user_modules_and_scripts_reach_the_environment_acto
     assert {"shouting/mean", "from_script/mean"} <= set(result["metrics"])
     assert result["observation"]["role"] == "tool"
     assert result["observation"]["content"] == '<tool_response>"HI"</tool_response>'
+
+
+def test_what_goes_along_is_the_users_registrations_that_pickle():
+    import threading
+
+    from nemo_like.environments.reward_fn_environment import REWARD_FN_REGISTRY, RewardFnEnvironment, register_reward_fn
+    from nemo_like.environments.tools import TOOL_REGISTRY
+    from nemo_like.environments.user_registrations import user_registrations, with_registrations
+
+    lock = threading.Lock()
+
+    def holds_a_lock(completions, **_):
+        with lock:
+            return [0.0] * len(completions)
+
+    with REWARD_FN_REGISTRY.isolated(), TOOL_REGISTRY.isolated():
+        assert user_registrations() == {}  # the built-ins register themselves in the actor
+        assert with_registrations(RewardFnEnvironment, {}) is RewardFnEnvironment
+        register_reward_fn("by_path", "my_pkg.rewards:score")  # a path travels as it is, imported where used
+        register_reward_fn("by_value", lambda completions, **_: [1.0] * len(completions))
+        register_reward_fn("unpicklable", holds_a_lock)  # would fail every actor: stays behind
+        carried = user_registrations()
+        assert [name for name, _ in carried["reward_fn"]] == ["by_path", "by_value"] and "tool" not in carried
+        wrapped = with_registrations(RewardFnEnvironment, carried)
+        assert wrapped.__name__ == "RewardFnEnvironment" and issubclass(wrapped, RewardFnEnvironment)
+    with REWARD_FN_REGISTRY.isolated():
+        env = wrapped({"reward_fns": [{"fn": "by_value"}]})  # the constructor registers them first
+        assert env.reward_fn_names() == ["<lambda>"] and "by_path" in REWARD_FN_REGISTRY
