@@ -34,7 +34,6 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
     workers, logger and checkpointer; resume from the latest checkpoint in checkpoint_dir when it is
     this run's. ``resume``: None follows ``checkpointing.resume``; True/False force it (the notebook API)."""
     import ray
-    from transformers import AutoTokenizer
 
     from nemo_like.data.datasets import load_dataset_from_config
     from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
@@ -46,6 +45,7 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
     from nemo_like.models.generation.rollout_group import RolloutGroup
     from nemo_like.models.policy.lm_policy import Policy
     from nemo_like.models.pretrained import resolve_model_source
+    from nemo_like.models.tokenizers import load_tokenizer as load_policy_tokenizer
 
     cfg = config.model_copy(deep=True)
     random.seed(cfg.grpo.seed)
@@ -79,10 +79,12 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
                 print(f"[nemo_like] cleanup: {e!r}")
 
     def load_tokenizer() -> Any:
-        tok = AutoTokenizer.from_pretrained(cfg.policy.tokenizer_name or cfg.policy.model_name,
-                                            trust_remote_code=cfg.policy.trust_remote_code)
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
+        try:  # with the template policy.chat_template names; a model without one is refused here
+            tok = load_policy_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name,
+                                        chat_template=cfg.policy.chat_template,
+                                        trust_remote_code=cfg.policy.trust_remote_code)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         # Prompts too long for data.max_input_seq_length are cut and carry no loss: counted, and a run
         # where many would be is refused (before Ray starts, unless the model is the bootstrapped one).
         check_prompt_lengths(train_cfgs, train_rows, tok, "train", max_in, cfg.data.max_cut_prompt_frac)

@@ -306,10 +306,13 @@ class DatasetConfig(BaseModel):
         if self.reward_fns is not None:
             if not self.reward_fns:
                 raise ValueError("reward_fns must list at least one function (or be left out)")
-            if "env_name" not in self.model_fields_set:
+            if "env_name" not in self.model_fields_set or self.env_name == "math":
+                # The functions are the grader: in place of the built-in math one (often inherited from a
+                # recipe, where env_name: math is written out); {fn: math_accuracy} keeps its check.
                 self.env_name = "reward_fn"
             elif self.env_name != "reward_fn":
-                raise ValueError(f"reward_fns are graded by env_name 'reward_fn', but env_name is {self.env_name!r}")
+                raise ValueError(f"reward_fns are graded by env_name 'reward_fn' (the functions are the grader), but "
+                                 f"env_name is {self.env_name!r}: set env_name: reward_fn, or leave reward_fns out")
             if self.processor is None:
                 self.processor = "math"  # prompt-only rows; every column reaches the functions
         if self.processor is None and self.env_name not in PROCESSOR_REGISTRY:
@@ -320,6 +323,16 @@ class DatasetConfig(BaseModel):
             raise ValueError(f"subset={self.subset!r} selects a subset of an hf: dataset, but path is "
                              f"{self.path!r}; remove subset (a local file is one subset)")
         return self
+
+
+# Reward functions of ours that read the reference answer (ground_truth); any other may not.
+_ANSWER_READING_FNS = ("math_accuracy",)
+
+
+def _graded_without_answers(cfg: DatasetConfig) -> bool:
+    """Only reward functions grade these rows, and none of ours that needs the answer column."""
+    return cfg.env_name == "reward_fn" and bool(cfg.reward_fns) and not any(
+        isinstance(r.fn, str) and r.fn in _ANSWER_READING_FNS for r in cfg.reward_fns)
 
 
 def load_dataset_from_config(cfg: DatasetConfig) -> datasets.Dataset:
@@ -371,12 +384,19 @@ def _check_conversation_options(conversations: list[Any], cfg: DatasetConfig, so
 
 def _normalise_columns(ds: datasets.Dataset, cfg: DatasetConfig, source: str, conversational: bool) -> datasets.Dataset:
     present = list(ds.column_names)
+    if cfg.answer_key not in present and _graded_without_answers(cfg):
+        # Reward functions that read other columns (or none) need no reference answer: the rows get an
+        # empty one, as generated code tasks do, so every row has the same columns.
+        ds = ds.add_column(cfg.answer_key, [""] * len(ds))
+        present.append(cfg.answer_key)
     for key, role, target in (
         (cfg.problem_key, "problem_key", "problem"),
         (cfg.answer_key, "answer_key", "expected_answer"),
     ):
         if key not in present:
-            raise DataError(f"{source}: missing column '{key}' ({role}); columns present: {present}")
+            needs = ("" if role == "problem_key" or cfg.env_name != "reward_fn" else
+                     " (the reward function math_accuracy compares against it)")
+            raise DataError(f"{source}: missing column '{key}' ({role}){needs}; columns present: {present}")
         if key != target and target in present:
             raise DataError(
                 f"{source}: cannot rename column '{key}' ({role}) to '{target}': a '{target}' column "

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nemo_like.data.chat_templates import apply_chat_template_setting
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
@@ -87,6 +88,8 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
                                                        trust_remote_code=config.trust_remote_code)
+        if config.chat_template != "default":  # the template trained with goes into saved and exported folders
+            apply_chat_template_setting(self.tokenizer, config.chat_template)
         # Master weights stay fp32; bf16 is FSDP mixed precision for compute (unsharded: autocast).
         model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32,
                                                      trust_remote_code=config.trust_remote_code)

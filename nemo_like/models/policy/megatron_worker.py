@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import nemo_like.models.policy.megatron_mapping as mm
 import nemo_like.models.policy.weight_export as weight_export
+from nemo_like.data.chat_templates import apply_chat_template_setting
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.policy.hf_worker import HFPolicyWorker
 from nemo_like.models.policy.interfaces import PolicyConfig
@@ -129,6 +130,8 @@ class MegatronPolicyWorker(HFPolicyWorker):
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name or config.model_name,
                                                        trust_remote_code=config.trust_remote_code)
+        if config.chat_template != "default":  # the template trained with goes into saved and exported folders
+            apply_chat_template_setting(self.tokenizer, config.chat_template)
         self.hf_config = AutoConfig.from_pretrained(config.model_name, trust_remote_code=config.trust_remote_code)
         mm.model_dims(self.hf_config)  # refuses an unsupported architecture before any weights are read
         self.dtype = PRECISION_DTYPES[config.precision]

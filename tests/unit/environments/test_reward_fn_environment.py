@@ -202,8 +202,10 @@ def test_dataset_config_routes_reward_fns_to_the_reward_fn_environment():
     gen = {"split": "train", "num_samples": 4, "seed": 1}
     cfg = DatasetConfig(generator=gen, reward_fns=[{"fn": "math_accuracy"}])
     assert (cfg.env_name, cfg.processor) == ("reward_fn", "math")
-    with pytest.raises(ValueError, match="graded by env_name 'reward_fn'"):
-        DatasetConfig(generator=gen, env_name="math", reward_fns=[{"fn": "math_accuracy"}])
+    # env_name: math written out (a recipe's): the functions grade in its place.
+    assert DatasetConfig(generator=gen, env_name="math", reward_fns=[{"fn": "math_accuracy"}]).env_name == "reward_fn"
+    with pytest.raises(ValueError, match="graded by env_name 'reward_fn' .* but env_name is 'code'"):
+        DatasetConfig(generator=gen, env_name="code", reward_fns=[{"fn": "math_accuracy"}])
     with pytest.raises(ValueError, match="at least one"):
         DatasetConfig(generator=gen, reward_fns=[])
 
