@@ -3,6 +3,8 @@
 With no arguments it trains a reward model on the tiny math work (examples/configs/rm_math_tiny.yaml):
 the default's bootstrapped char-level base model with a scalar head, on pairs of a right and a wrong
 answer to the same addition, then reports held-out pair accuracy and saves the model as an HF folder.
+Its workers are placed as a GRPO run's policy workers are (cluster.num_workers, or cluster.resource_pools
+with cluster.roles.policy), and the plan is printed before the model loads.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_like.config_sections import ClusterConfig
 from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.models.reward_model import RewardModelConfig
 from nemo_like.utils.checkpoint import (
     CheckpointError,
@@ -75,13 +77,18 @@ class RMTrainerConfig(BaseModel):
     seed: int = 0
 
 
-class RMClusterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    address: str | None = None
-    num_cpus: int | None = None
-    num_workers: int = Field(1, gt=0)
-    cpus_per_worker: float = Field(1.0, gt=0)
-    gpus_per_worker: float = Field(0.0, ge=0)
+# The reward model a reward-model run trains is its policy role: the trainer's workers, sized by
+# cluster.num_workers / cpus_per_worker / gpus_per_worker as the policy's are in a GRPO run, so a config
+# without pools keeps its meaning and the cluster section is the language-model run's.
+RM_ROLES = {"policy": "the reward model trained"}
+_OTHER_ROLES = {
+    "reward_model": "the reward model this run trains is its policy role (sized by cluster.num_workers, as the "
+                    "policy's workers are in a GRPO run): write cluster.roles.policy instead",
+    "generation": "nothing generates in reward-model training; remove the key",
+    "critic": "there is no value model here; remove the key",
+    "reference": "there is no reference model here; remove the key"}
+# Sections of the shared cluster schema that size workers this run never starts.
+_OTHER_SECTIONS = {"generation": "rollout", "critic": "critic", "reward_model": "reward-model scoring"}
 
 
 class RMConfig(BaseModel):
@@ -90,7 +97,10 @@ class RMConfig(BaseModel):
     reward_model: RewardModelConfig
     data: RMDataConfig
     trainer: RMTrainerConfig = RMTrainerConfig()
-    cluster: RMClusterConfig = RMClusterConfig()
+    # The language-model run's cluster section (docs/reference/config.md, cluster.*): the reward model
+    # trained is the policy role (cluster.num_workers...), placeable on cluster.resource_pools with
+    # cluster.roles.policy; cluster.generation, .critic and .reward_model have no workers here.
+    cluster: ClusterConfig = ClusterConfig()
     logger: LoggerConfig = LoggerConfig(log_dir="logs/rm")
     # step_<N> checkpoints (model, optimizer, where the run is) every save_period steps and at the end;
     # a run resumes from the newest intact one in checkpoint_dir. Ranked by the held-out pair accuracy.
@@ -98,6 +108,24 @@ class RMConfig(BaseModel):
                                                              save_period=50, metric_name="val/pair_accuracy")
     # Where the trained reward model is saved (a plain HF folder).
     output_dir: str = "results/rm"
+
+    @model_validator(mode="after")
+    def _placement(self) -> RMConfig:
+        """Before Ray starts: the cluster sections and roles this run has, and a batch its workers split."""
+        c = self.cluster
+        for section, what in _OTHER_SECTIONS.items():
+            if section in c.model_fields_set:
+                raise ValueError(f"cluster.{section}: reward-model training starts no {what} workers; the reward model "
+                                 "trained is sized by cluster.num_workers, cluster.cpus_per_worker and "
+                                 f"cluster.gpus_per_worker: set those instead of cluster.{section}")
+        refuse_roles_not_placed(c.roles, "reward-model training", RM_ROLES, _OTHER_ROLES)
+        c.check_roles({"policy": True, "generation": False, "reference": False, "critic": False,
+                       "reward_model": False}, {})
+        gbs = self.reward_model.train_global_batch_size
+        if gbs % c.num_workers:
+            raise ValueError(f"reward_model.train_global_batch_size={gbs} does not divide over cluster.num_workers="
+                             f"{c.num_workers} workers; use a multiple of {c.num_workers}")
+        return self
 
 
 def load_rm_config(path: str | Path, overrides: list[str] | None = None) -> RMConfig:
@@ -178,7 +206,9 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     """The whole run; returns the final held-out metrics, the steps and the saved folder."""
     from transformers import AutoTokenizer
 
-    from nemo_like.distributed.ray_cluster import RayVirtualCluster, init_ray, shutdown_ray_if_started
+    from nemo_like.config import ConfigError
+    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+    from nemo_like.distributed.resource_pools import PlacementError, place_roles
     from nemo_like.models.reward_model import RewardModel
 
     train_pairs, val_pairs = _pairs(cfg.data)  # data errors before Ray starts
@@ -194,7 +224,7 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     ckpt, found = preflight_checkpoints(cfg.checkpointing)
     saved = _resumable(found, plan, len(batches)) if found is not None else None
     started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
-    cluster = rm = logger = None
+    placed = rm = logger = None
     try:
         model_dir = resolve_model(cfg.reward_model.model_name)
         tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.reward_model.trust_remote_code)
@@ -202,10 +232,15 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
             tok.pad_token = tok.eos_token
         train = tokenize_pairs(train_pairs, tok, cfg.data.max_length)
         val = tokenize_pairs(val_pairs, tok, cfg.data.max_length)
-        c = cfg.cluster
-        cluster = RayVirtualCluster(c.num_workers, cpus_per_worker=c.cpus_per_worker, gpus_per_worker=c.gpus_per_worker,
-                                    name="reward_model")
-        rm = RewardModel(cluster, cfg.reward_model.model_copy(update={"model_name": model_dir}), seed=cfg.trainer.seed)
+        # Placed as a GRPO run's roles are (after the base model is built: its SFT needs the CPUs): a
+        # pool too small fails here, naming it, before the model loads; the plan is printed.
+        try:
+            placed = place_roles(cfg.cluster, ["policy"])
+        except PlacementError as e:
+            raise ConfigError(str(e)) from None
+        print(placed.summary(labels=RM_ROLES))
+        rm = RewardModel(placed["policy"], cfg.reward_model.model_copy(update={"model_name": model_dir}),
+                         seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
         latest = ckpt.open_for_run() if ckpt is not None else None
         if latest is not None:
@@ -257,6 +292,6 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
             logger.close()
         if rm is not None:
             rm.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
+        if placed is not None:
+            placed.shutdown()
         shutdown_ray_if_started(started)

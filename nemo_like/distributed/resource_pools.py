@@ -27,7 +27,11 @@ from nemo_like.distributed.ray_cluster import (
     remove_placement_group_quietly,
 )
 
-__all__ = ["PlacementError", "ResourcePool", "RolePlacement", "RolePlan", "check_pools_fit", "place_roles"]
+__all__ = ["PLAN_HEADER", "Placement", "PlacementError", "ResourcePool", "RolePlacement", "RolePlan", "check_pools_fit",
+           "place_roles", "refuse_roles_not_placed"]
+
+# The first line of the printed plan, the same for every trainer (GRPO/PPO, reward model, gym agents).
+PLAN_HEADER = "[nemo_like] placement (role -> pool -> nodes):"
 
 # Per bundle, of a pool's node resource: a sliver, so that pools sharing named nodes never exhaust it.
 _NODE_RESOURCE_SHARE = 0.001
@@ -132,9 +136,10 @@ class RolePlan:
     def __getitem__(self, role: str) -> Placement:
         return self.placements[role]
 
-    def describe(self, reference: bool = False) -> list[str]:
+    def describe(self, reference: bool = False, labels: dict[str, str] | None = None) -> list[str]:
         """One line a role: role -> pool (its shape) -> the nodes its ranks run on; ``reference``: the
-        run has a reference model, which lives in the policy's workers."""
+        run has a reference model, which lives in the policy's workers; ``labels``: what a role is in
+        this run, shown beside its name (the reward model a reward-model run trains is its policy)."""
         info = {n["NodeID"]: n for n in ray.nodes()}
         lines = []
         for role, p in self.placements.items():
@@ -146,20 +151,38 @@ class RolePlan:
             else:
                 res = {"CPU": p.cpus_per_worker} | ({"GPU": p.gpus_per_worker} if p.gpus_per_worker else {})
                 where = f"own group ({p.num_workers} x {_fmt(res, 1)})"
-            if role == "policy" and reference:
-                role = "policy+reference"
+            shown = "policy+reference" if role == "policy" and reference else role
+            if labels and role in labels:
+                shown += f" ({labels[role]})"
             ranks: dict[str, list[int]] = {}
             for r, node in enumerate(p.bundle_node_ids()):
                 ranks.setdefault(node, []).append(r)
             nodes = "; ".join(f"{_node_label(info.get(n), n)} ranks {','.join(map(str, rs))}" for n, rs in ranks.items())
-            lines.append(f"{role} -> {where} -> {nodes}")
+            lines.append(f"{shown} -> {where} -> {nodes}")
         return lines
+
+    def summary(self, reference: bool = False, labels: dict[str, str] | None = None) -> str:
+        """The printed plan: ``PLAN_HEADER`` and ``describe``'s lines, indented."""
+        return "\n".join([PLAN_HEADER] + [f"  {line}" for line in self.describe(reference, labels)])
 
     def shutdown(self) -> None:
         for p in self.placements.values():
             p.shutdown()
         for pool in self.pools.values():
             pool.shutdown()
+
+
+def refuse_roles_not_placed(roles: dict[str, str], run: str, placed: dict[str, str],
+                            hints: dict[str, str] | None = None) -> None:
+    """``cluster.roles`` of a run that places only the roles in ``placed`` (role -> what it is there):
+    ValueError naming the first other role, with its ``hints`` line (why it has none, what to name
+    instead) or the roles the run has. Checked before ``ClusterConfig.check_roles``, whose reasons are
+    the language-model run's."""
+    for role in roles:
+        if role not in placed:
+            why = (hints or {}).get(role) or "remove the key"
+            has = ", ".join(f"{r} ({what})" for r, what in placed.items())
+            raise ValueError(f"cluster.roles.{role}: {run} has no {role} role; {why}. Its roles: {has}")
 
 
 def check_pools_fit(cluster: ClusterConfig) -> None:
