@@ -1,8 +1,9 @@
 """A contributor's exercise, from outside the package: a policy-loss surrogate, an advantage estimator,
-an environment and a generation backend, each one file of ``examples/extensions/my_extensions`` with
-its registration and an options model of its own, reach a GRPO run through the CLI's ``--import``
-with no edit to a schema of ours. One run uses all four (each says where it ran in a trace file);
-each kind's test then checks its own evidence, and that its options are typed before Ray starts."""
+an environment, a generation backend and a training worker, each one file of
+``examples/extensions/my_extensions`` with its registration (and an options model, or a config check,
+of its own), reach a GRPO run through the CLI's ``--import`` with no edit to a schema of ours. One run
+uses all five (each says where it ran in a trace file); each kind's test then checks its own evidence,
+and that its options are checked before Ray starts."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from nemo_like.algorithms.policy_losses import POLICY_LOSSES
 from nemo_like.config import ConfigError, load_config
 from nemo_like.environments.registry import ENV_REGISTRY
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
+from nemo_like.models.policy.backends import POLICY_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = ROOT / "examples" / "extensions"
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 MODULES = "my_extensions.soft_clip_loss,my_extensions.median_baseline,my_extensions.exact_answer_env," \
-          "my_extensions.chunked_backend"
+          "my_extensions.chunked_backend,my_extensions.frozen_embeddings_worker"
 SMALL = [
     "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
     "grpo.max_num_steps=2", "grpo.val_period=0", "grpo.max_val_samples=4",
@@ -43,12 +45,13 @@ USE_ALL = [
     "data.validation.env_name=exact_answer", "data.validation.processor=math",
     "++env.exact_answer.format_reward=0.25",
     "policy.generation.colocated=false", "policy.generation.backend=chunked", "policy.generation.chunk_rows=3",
+    "policy.backend=frozen_embeddings",
 ]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, model_dir):
-    """The CLI, started in the user's folder (not ours), with the four modules imported by --import."""
+    """The CLI, started in the user's folder (not ours), with the five modules imported by --import."""
     tmp = tmp_path_factory.mktemp("ext")
     trace = tmp / "trace.txt"
     env = dict(os.environ, MY_EXTENSIONS_TRACE=str(trace))
@@ -75,7 +78,7 @@ def _kinds(run, kind: str) -> list[tuple[int, str]]:
 
 def _load(*overrides: str):
     with POLICY_LOSSES.isolated(), ADVANTAGE_ESTIMATORS.isolated(), ENV_REGISTRY.isolated(), \
-            GENERATION_BACKENDS.isolated():
+            GENERATION_BACKENDS.isolated(), POLICY_BACKENDS.isolated():
         sys.path.insert(0, str(EXT))
         try:
             return load_config(CONFIG, [f"imports+={m}" for m in MODULES.split(",")] + list(overrides))
@@ -130,6 +133,21 @@ def test_a_generation_backend_with_its_own_option(run):
     with pytest.raises(ConfigError, match=r"backend 'chunked' cannot stream episodes"):
         _load("policy.generation.colocated=false", "policy.generation.backend=chunked",
               "policy.generation.stream_episodes=true")
+
+
+def test_a_training_worker_with_its_own_checks(run):
+    built = [(pid, dict(kv.split("=") for kv in d.split())) for pid, d in _kinds(run, "training_worker")
+             if d.startswith("frozen=")]
+    trained = [(pid, d) for pid, d in _kinds(run, "training_worker") if d.startswith("embeddings_unchanged=")]
+    assert built and all(pid != run["driver"] for pid, _ in built + trained)  # in the policy's worker
+    # The optimizer holds every weight but the (tied) embeddings, and they did not move in either step.
+    assert all(int(d["optimized"]) == int(d["total"]) - int(d["frozen"]) > 0 for _, d in built)
+    assert len(trained) >= 2 and {d for _, d in trained} == {"embeddings_unchanged=True"}
+    assert run["config"]["policy"]["backend"] == "frozen_embeddings"
+    with pytest.raises(ConfigError, match=r"policy\.backend=frozen_embeddings .* use policy\.backend=hf"):
+        _load("policy.backend=frozen_embeddings", "policy.lora.enabled=true")
+    with pytest.raises(ConfigError, match=r"unknown policy backend 'frozen_embedding' \(did you mean 'frozen_embeddings'"):
+        _load("policy.backend=frozen_embedding")
 
 
 def _documented_metrics() -> list[re.Pattern]:
