@@ -7,10 +7,10 @@ Conventions (N samples, T token positions):
 - ``values[:, t]`` is the value of the state that chose token t (the caller does the shift).
 - Positions where the mask is 0 never enter a result: they are replaced by 0 *before* any arithmetic,
   so padding may hold anything (NaN, inf) and still changes nothing. Non-finite numbers on mask
-  tokens raise ValueError.
+  tokens raise ValueError (all but the live values given to :func:`clipped_value_loss_terms`).
 - Computed in float64; returned in the inputs' floating dtype (float32 when none is floating).
-  Nothing carries a gradient except :func:`clipped_value_loss` (w.r.t. ``values``) and
-  :func:`masked_mean` (w.r.t. ``x``).
+  Nothing carries a gradient except :func:`clipped_value_loss` and :func:`clipped_value_loss_terms`
+  (w.r.t. ``values``) and :func:`masked_mean` (w.r.t. ``x``).
 """
 
 from __future__ import annotations
@@ -190,22 +190,32 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x64[valid].sum() / max(int(valid.sum()), 1)).to(_out_dtype(x))
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       *, cliprange_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss ``0.5 * token-mean over mask of max((v - R)^2, (v_clip - R)^2)`` with
-    ``v_clip = clamp(v, v_old - eps, v_old + eps)``, and the clip fraction: the share of mask tokens
-    where the clipped term is strictly larger (those tokens get a zero gradient). ``cliprange_value``
-    None: no clipping, ``0.5 * token-mean((v - R)^2)`` and clip fraction 0.
+def clipped_value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                             mask: torch.Tensor, *, cliprange_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token [N, T]: the value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)`` with
+    ``v_clip = clamp(v, v_old - eps, v_old + eps)``, and a bool that is True where the clipped term is
+    strictly larger (those tokens get a zero gradient); both 0 / False where the mask is 0.
+    ``cliprange_value`` None: ``0.5 * (v - R)^2`` and nothing clipped. A caller sums or averages the
+    terms as its loss aggregation and micro-batching need (:func:`clipped_value_loss` is the token mean).
 
-    All [N, T]. The loss (values' dtype) is differentiable w.r.t. ``values``; an empty mask gives 0,
-    still connected to ``values``. The clip fraction is a scalar without gradient."""
+    The value itself is clamped: a value inside the band comes back bit for bit, so it is never
+    counted as clipped (``v_old + clamp(v - v_old)`` rounds away from ``v`` when ``|v|`` is small
+    beside ``|v - v_old|``, and such a token would look clipped).
+
+    The loss terms (values' dtype) are differentiable w.r.t. ``values``; the flags carry no gradient.
+    ``old_values`` and ``returns`` must be finite on mask tokens (ValueError). A non-finite value on a
+    mask token is not refused here: its term comes out non-finite, so that workers that step together
+    can flag it and skip the step on every rank rather than one of them raising alone."""
     if cliprange_value is not None:
         _check_number("cliprange_value", cliprange_value, " >= 0", lambda v: v >= 0)
     valid = _valid(mask)
-    v = _masked64("values", values, valid)
+    if not isinstance(values, torch.Tensor) or values.shape != valid.shape:
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"values has shape {got}, expected {tuple(valid.shape)} (the mask's)")
+    zero = torch.zeros((), dtype=torch.float64, device=values.device)
+    v = torch.where(valid, values.to(torch.float64), zero)
     old = _masked64("old_values", old_values, valid).detach()
     ret = _masked64("returns", returns, valid).detach()
-    n = max(int(valid.sum()), 1)
     unclipped = (v - ret) ** 2
     if cliprange_value is None:
         per_token, clipped_more = unclipped, torch.zeros_like(valid)
@@ -214,8 +224,25 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
         clipped = (v_clip - ret) ** 2
         clipped_more = (clipped > unclipped) & valid
         per_token = torch.where(clipped_more, clipped, unclipped)
-    loss = 0.5 * per_token[valid].sum() / n
-    clipfrac = clipped_more.to(torch.float64).sum().detach() / n
+    terms = torch.where(valid, 0.5 * per_token, zero)
+    return terms.to(_out_dtype(values)), clipped_more
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       *, cliprange_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token mean over the mask of :func:`clipped_value_loss_terms`, and the clip fraction: the
+    share of mask tokens whose clipped term is strictly larger. Summed in float64.
+
+    All [N, T]. The loss (values' dtype) is differentiable w.r.t. ``values``; an empty mask gives 0,
+    still connected to ``values``. The clip fraction is a scalar without gradient. Unlike the terms,
+    non-finite values on mask tokens raise ValueError here."""
+    valid = _valid(mask)
+    _masked64("values", values, valid)
+    terms, clipped_more = clipped_value_loss_terms(values.to(torch.float64), old_values, returns, mask,
+                                                   cliprange_value=cliprange_value)
+    n = max(int(valid.sum()), 1)
+    loss = terms[valid].sum() / n
+    clipfrac = clipped_more.to(torch.float64).sum() / n
     return loss.to(_out_dtype(values)), clipfrac.to(_out_dtype(values))
 
 

@@ -54,7 +54,9 @@ VALUE_LOSS_KEYS = tuple(ValueLossConfig.model_fields)
 def value_loss_term(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                     config: ValueLossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """``vf_coef * clipped_value_loss(...)`` (differentiable w.r.t. ``values``; all [B, T], the mean over
-    the mask's steps) and its metrics ``value_loss`` (before ``vf_coef``) and ``vf_clipfrac``."""
+    the mask's steps) and its metrics ``value_loss`` (before ``vf_coef``) and ``vf_clipfrac``. The
+    per-step terms are the critic worker's (:func:`~nemo_like.algorithms.ppo_terms.clipped_value_loss_terms`),
+    so the same inputs give the same numbers in both trainers."""
     loss, clipfrac = clipped_value_loss(values, old_values, returns, mask, cliprange_value=config.cliprange_value)
     return config.vf_coef * loss, {"value_loss": float(loss.detach()), "vf_clipfrac": float(clipfrac)}
 

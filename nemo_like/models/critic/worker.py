@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nemo_like.algorithms.ppo_terms import clipped_value_loss_terms
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.critic.config import CriticConfig
 from nemo_like.models.policy.interfaces import PolicyConfig
@@ -137,25 +138,6 @@ def check_value_packing(model: nn.Module) -> None:
                          f"sequences (packed values differ from unpacked by {err:.3g}); turn packing off")
 
 
-def clipped_value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                             mask: torch.Tensor, cliprange: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: 0.5 * max((v - R)^2, (v_clip - R)^2) and whether the clipped term is the larger
-    (float 0/1), both 0 where ``mask`` is 0 (whatever the inputs hold there)."""
-    on = mask > 0
-    zero = torch.zeros_like(values)
-    old = torch.where(on, old_values, zero)
-    ret = torch.where(on, returns, zero)
-    unclipped = (values - ret) ** 2
-    if cliprange is None:
-        loss, clipped_larger = 0.5 * unclipped, zero
-    else:
-        v_clip = old + (values - old).clamp(-cliprange, cliprange)
-        clipped = (v_clip - ret) ** 2
-        loss = 0.5 * torch.maximum(unclipped, clipped)
-        clipped_larger = (clipped > unclipped).to(values.dtype)
-    return torch.where(on, loss, zero), torch.where(on, clipped_larger, zero)
-
-
 class CriticWorker(TrainingWorkerBase):
     def __init__(self, config: CriticConfig, policy_config: PolicyConfig, *, seed: int = 0):
         self.cfg = config
@@ -270,7 +252,8 @@ class CriticWorker(TrainingWorkerBase):
             mask = (mb["token_mask"][:, :w] > 0).float().to(self.device)
             old = mb["values"][:, :w].float().to(self.device)
             ret = mb["returns"][:, :w].float().to(self.device)
-            tok_loss, tok_clipped = clipped_value_loss_terms(values, old, ret, mask, self.cfg.cliprange_value)
+            tok_loss, tok_clipped = clipped_value_loss_terms(values, old, ret, mask,
+                                                             cliprange_value=self.cfg.cliprange_value)
             loss = tok_loss.sum() / denom
             if n_pass >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
                 (loss * 0.0).backward()

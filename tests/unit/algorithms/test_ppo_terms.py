@@ -17,6 +17,7 @@ from nemo_like.algorithms.ppo_terms import (
     AdaptiveKLController,
     FixedKLController,
     clipped_value_loss,
+    clipped_value_loss_terms,
     compute_gae,
     explained_variance,
     kl_per_token,
@@ -306,6 +307,61 @@ def test_clipped_value_loss_edge_cases():
         clipped_value_loss(v, v, v, torch.ones(2, 3), cliprange_value=-0.1)
     with pytest.raises(ValueError, match="returns has shape"):
         clipped_value_loss(v, v, v[:1], torch.ones(2, 3), cliprange_value=0.2)
+
+
+def test_value_loss_terms_hand_values_and_aggregation():
+    # The tokens of test_clipped_value_loss_semantics, float32 like the critic worker's: per token
+    # 0.5 * [3.24, 4.0, 0.81, 0.25], only token 0 clipped; 0 / False on padding (NaN there).
+    v = torch.tensor([[1.0, 1.0, 0.1, -0.5, math.nan]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0, math.nan]])
+    ret = torch.tensor([[2.0, -1.0, 1.0, 0.0, math.nan]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    terms, clipped = clipped_value_loss_terms(v, old, ret, mask, cliprange_value=0.2)
+    assert terms.dtype == torch.float32 and clipped.dtype == torch.bool
+    assert terms[0].tolist() == pytest.approx([1.62, 2.0, 0.405, 0.125, 0.0], abs=1e-6)
+    assert clipped[0].tolist() == [True, False, False, False, False]
+    # The sum a worker takes over the global token count is the token mean of clipped_value_loss.
+    loss, clipfrac = clipped_value_loss(v, old, ret, mask, cliprange_value=0.2)
+    assert float(terms.detach().sum() / 4) == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx((1.62 + 2.0 + 0.405 + 0.125) / 4, rel=1e-6)
+    assert float(clipped.sum()) / 4 == float(clipfrac) == 0.25
+    terms.sum().backward()
+    assert v.grad[0].tolist() == pytest.approx([0.0, 2.0, -0.9, -0.5, 0.0], abs=1e-6)
+    # A non-finite live value is not refused by the terms (a worker flags it on every rank) ...
+    bad = torch.tensor([[math.inf, 1.0, 0.1, -0.5, 0.0]])
+    assert not bool(torch.isfinite(clipped_value_loss_terms(bad, old, ret, mask, cliprange_value=0.2)[0]).all())
+    # ... the token mean refuses it, and both refuse non-finite targets.
+    with pytest.raises(ValueError, match="values must be finite on mask tokens"):
+        clipped_value_loss(bad, old, ret, mask, cliprange_value=0.2)
+    with pytest.raises(ValueError, match="returns must be finite on mask tokens"):
+        clipped_value_loss_terms(v, old, bad, mask, cliprange_value=0.2)
+    with pytest.raises(ValueError, match=r"values has shape \(1, 4\), expected \(1, 5\)"):
+        clipped_value_loss_terms(v[:, :4], old, ret, mask, cliprange_value=0.2)
+
+
+def test_no_clipping_counted_inside_the_band_near_zero():
+    # float32 values near 0 whose old values are farther away (still inside the band): the old
+    # worker formula old + clamp(v - old, -eps, eps) rounds away from v (here v = 1e-3, old = 0.01
+    # gives v + 1.2e-10), and with the return at 0 the rounded value's term is the larger one, so
+    # that token was counted as clipped. Clamping the value itself gives v back exactly.
+    v = torch.tensor([[1e-3, 1e-3, 1e-3, 3e-3, 1e-3]])
+    old = torch.tensor([[0.01, -0.01, 0.1, -0.01, 0.3]])
+    ret = torch.zeros(1, 5)
+    mask = torch.ones(1, 5)
+    assert bool((old + (v - old).clamp(-0.2, 0.2) != v)[0, :4].all())  # the rounding the old formula hit
+    terms, clipped = clipped_value_loss_terms(v, old, ret, mask, cliprange_value=0.2)
+    assert clipped[0].tolist() == [False, False, False, False, True]
+    assert torch.equal(terms[0, :4], 0.5 * v[0, :4].double().pow(2).float())
+    # Token 4 is outside the band (|v - old| = 0.299 > 0.2): clipped to 0.1, a larger term.
+    assert float(terms[0, 4]) == pytest.approx(0.5 * 0.1**2, rel=1e-6)
+    assert clipped_value_loss(v[:, :4], old[:, :4], ret[:, :4], mask[:, :4], cliprange_value=0.2)[1].item() == 0.0
+    # Many random tokens near zero, all inside the band: none counted.
+    g = torch.Generator().manual_seed(0)
+    v = (torch.rand(64, 256, generator=g) * 2 - 1) * 1e-3
+    old = v + (torch.rand(64, 256, generator=g) * 2 - 1) * 0.05
+    ret = (torch.rand(64, 256, generator=g) * 2 - 1) * 1e-3
+    assert clipped_value_loss(v, old, ret, torch.ones(64, 256), cliprange_value=0.2)[1].item() == 0.0
+    assert not bool(clipped_value_loss_terms(v, old, ret, torch.ones(64, 256), cliprange_value=0.2)[1].any())
 
 
 def test_explained_variance():

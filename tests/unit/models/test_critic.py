@@ -7,11 +7,12 @@ import torch
 from _nl_model_test_helpers import tokenized
 from pydantic import ValidationError
 
+from nemo_like.algorithms.ppo_terms import clipped_value_loss_terms
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.gym.loss import ValueLossConfig, value_loss_term
 from nemo_like.models.critic import CriticConfig
 from nemo_like.models.critic.critic import Critic
-from nemo_like.models.critic.worker import clipped_value_loss_terms
 from nemo_like.models.policy import PolicyConfig
 
 CLIP = 0.05
@@ -110,8 +111,12 @@ def test_clipped_value_loss_through_the_worker(critic, batch):
     assert m["vf_clipfrac"] == pytest.approx(float(rows01 / mask.sum()), abs=1e-6)
     expected = (0.5 * (1.0 + 1.0 - CLIP) ** 2 * rows01 + 0.5 * 1.0 * mask[2:].sum()) / mask.sum()
     assert m["value_loss"] == pytest.approx(float(expected), rel=1e-4)
-    terms, clipped = clipped_value_loss_terms(v, old, returns, mask, CLIP)
+    terms, clipped = clipped_value_loss_terms(v, old, returns, mask, cliprange_value=CLIP)
     assert m["value_loss"] == pytest.approx(float(terms.sum() / mask.sum()), rel=1e-4)
+    # The gym trainer's value term on the same inputs: the same loss and clip fraction.
+    _, gym = value_loss_term(v, old, returns, mask, ValueLossConfig(vf_coef=1.0, cliprange_value=CLIP))
+    assert m["value_loss"] == pytest.approx(gym["value_loss"], rel=1e-4)
+    assert m["vf_clipfrac"] == pytest.approx(gym["vf_clipfrac"], abs=1e-6)
     assert m["values_mean"] == pytest.approx(float((v * mask).sum() / mask.sum()), abs=1e-5)
     assert m["lr"] == pytest.approx(1e-3) and m["grad_norm"] > 0
 
