@@ -8,7 +8,8 @@ the line being written. A resumed run first drops the rows logged after its chec
 
 samples.jsonl holds what the policy wrote: one row per sample (step, split, task, prompt, completion,
 reward, ...), every validation's and, when asked, the first few of each training step's. It is
-trimmed and set aside with metrics.jsonl.
+trimmed and set aside with metrics.jsonl. The first few of each validation's also go to TensorBoard
+(a markdown table, tag ``val/samples``) and wandb (a table, key ``val/samples``) when those are on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from nemo_like.utils.jsonl_files import (
     replace_lines,
 )
 from nemo_like.utils.progress import progress_write
+from nemo_like.utils.sample_table import VAL_SAMPLES_TAG, markdown_table, sample_table
 
 SAMPLES_FILENAME = "samples.jsonl"
 CONFIG_FILENAME = "config.yaml"
@@ -83,6 +85,10 @@ class LoggerConfig(BaseModel):
     # Every validation's samples (prompt, completion, reward, ground truth) to <log_dir>/samples.jsonl
     # (with jsonl_enabled).
     log_val_samples: bool = True
+    # The first N samples of each validation as a table (step, task, prompt, completion, reward, ground
+    # truth, ...) to TensorBoard's Text tab and to wandb, under val/samples, when those loggers are on;
+    # 0: none.
+    num_val_samples_to_table: int = Field(32, ge=0)
     # The first N samples of every training step to samples.jsonl too; 0: none.
     num_train_samples_to_log: int = Field(0, ge=0)
     # Log to Weights & Biases too (settings in wandb; needs the wandb extra).
@@ -177,17 +183,21 @@ class Logger:
         none, None for all."""
         if split == "val":
             written = self.cfg.jsonl_enabled and self.cfg.log_val_samples
-            return None if written or (self.cfg.stdout_enabled and self.cfg.num_val_samples_to_print) else 0
+            printed = self.cfg.stdout_enabled and self.cfg.num_val_samples_to_print
+            return None if written or printed or self._tables_wanted() else 0
         return self.cfg.num_train_samples_to_log if self.cfg.jsonl_enabled else 0
 
     def log_samples(self, rows: list[Mapping[str, Any]], step: int, split: str) -> None:
-        """Rows of samples (``nemo_like.experience.samples.sample_rows``) of ``step`` to samples.jsonl,
-        and for "val" the first ``num_val_samples_to_print`` to stdout. A value JSON cannot hold
+        """Rows of samples (``nemo_like.experience.samples.sample_rows``) of ``step`` to samples.jsonl;
+        for "val" also the first ``num_val_samples_to_print`` to stdout and the first
+        ``num_val_samples_to_table`` as a table to TensorBoard and wandb. A value JSON cannot hold
         (NaN, a tensor, a tuple key) is written as null or as text: a side log never stops a run."""
         if self._closed:
             raise RuntimeError("Logger.log_samples called after close()")
         if split == "val" and self.cfg.stdout_enabled and (n := self.cfg.num_val_samples_to_print):
             self.print_fn(self.format_samples(rows[:n], step, len(rows)))
+        if split == "val" and rows and self._tables_wanted():
+            self._log_sample_table(rows[: self.cfg.num_val_samples_to_table], int(step))
         keep = len(rows) if split == "val" and self.cfg.log_val_samples else (
             self.cfg.num_train_samples_to_log if split == "train" else 0)
         if not (self.cfg.jsonl_enabled and keep and rows):
@@ -198,6 +208,21 @@ class Logger:
                  for row in rows[:keep]]
         self._samples.writelines(lines)
         self._samples.flush()
+
+    def _tables_wanted(self) -> bool:
+        on = self.cfg.tensorboard_enabled or self._wandb_run is not None
+        return bool(on and self.cfg.num_val_samples_to_table)
+
+    def _log_sample_table(self, rows: list[Mapping[str, Any]], step: int) -> None:
+        columns, data = sample_table(rows, step)
+        if self.cfg.tensorboard_enabled:
+            writer = self._tensorboard()
+            writer.add_text(VAL_SAMPLES_TAG, markdown_table(columns, data), global_step=step)
+            writer.flush()
+        if self._wandb_run is not None:
+            import wandb  # present: the run was started with it
+
+            self._wandb_run.log({VAL_SAMPLES_TAG: wandb.Table(columns=columns, data=data)}, step=step)
 
     @staticmethod
     def format_samples(rows: list[Mapping[str, Any]], step: int, total: int, width: int = 300) -> str:
