@@ -150,6 +150,10 @@ def main(argv: list[str]) -> int:
                          "a split with fewer gives all it has)")
     ap.add_argument("--base-val-every", action="store_true",
                     help="validate the base model in every run (default: in the first seed's only: it is the same)")
+    ap.add_argument("--async-extra", action="append", metavar="KEY=VALUE",
+                    help="an override of the async side only (repeatable), e.g. a hypothesis to test")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once (default 1; more measures accuracy only: the runs share the cores)")
     ap.add_argument("--report", default=None, metavar="JSON", help="print the tables of a saved --json and exit")
     ap.add_argument("--png", default="bench_async.png")
     ap.add_argument("--json", default=None, help="every run's results, written after each run")
@@ -168,6 +172,8 @@ def main(argv: list[str]) -> int:
         ap.error(f"--rollout-workers must be at least 1, got {args.rollout_workers}")
     if args.seeds is not None and args.seed_list:
         ap.error("give --seeds N or --seed-list a,b,..., not both")
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.seeds is not None and args.seeds < 1:
         ap.error(f"--seeds must be at least 1, got {args.seeds}")
     split = tuple(int(x) for x in args.async_threads.split(",")) if args.async_threads else None
@@ -185,31 +191,62 @@ def main(argv: list[str]) -> int:
         seeds = [first + i for i in range(args.seeds)]
     async_o = async_overrides(args.staleness, cpus, split, args.rollout_workers)
     meta = {"command": f"uv run benchmarks/bench_async.py {' '.join(argv)}", "config": args.config, "cpus": cpus,
-            "async": async_o, "staleness": args.staleness, "latencies": latencies, "seeds": seeds}
-    runs: dict[tuple[float, int | None, str], dict] = {}
+            "async": async_o + (args.async_extra or []), "staleness": args.staleness, "latencies": latencies, "seeds": seeds}
+    jobs: list[tuple[tuple[float, int | None, str], dict]] = []
     for lat in latencies:
         # Tool calls that wait on I/O must not queue for a thread: a slot per call of a whole batch.
         lat_o = [f"env.tool.call_latency_s={lat}", "env.tool.max_concurrent_calls=256", "env.tool.max_stuck_calls=256",
                  f"env.tool.timeout_s={max(2.0, 2 * lat + 1)}"] if lat else []
         for seed in seeds:
             seed_o = [] if seed is None else [f"grpo.seed={seed}"]
-            for mode, extra in (("sync", []), ("async", async_o)):
+            for mode, extra in (("sync", []), ("async", async_o + (args.async_extra or []))):
                 # The base model's validation is the same for every run: once per latency is enough.
-                spec = {"overrides": base + lat_o + seed_o + extra, "base_val": seed == seeds[0] or args.base_val_every}
-                with tempfile.TemporaryDirectory() as tmp:
-                    out = Path(tmp) / "r.json"
-                    cmd = [sys.executable, __file__, "--config", args.config, "--_child", json.dumps(spec), str(out)]
-                    print(f"[bench_async] latency {lat:g} s, seed {seed if seed is not None else 'default'}, "
-                          f"{mode}: running", flush=True)
-                    subprocess.run(cmd, check=True, cwd=ROOT)
-                    runs[(lat, seed, mode)] = json.loads(out.read_text())
-                if args.json:  # after every run: a run cut short still leaves what it measured
-                    Path(args.json).write_text(json.dumps({"meta": meta, "runs": {
-                        f"{k[0]}/{k[1]}/{k[2]}": v for k, v in runs.items()}}, indent=1))
+                jobs.append(((lat, seed, mode), {"overrides": base + lat_o + seed_o + extra,
+                                                 "base_val": seed == seeds[0] or args.base_val_every}))
+    runs = run_all(args.config, jobs, args.jobs, meta, args.json)
+    if len(runs) < len(jobs):
+        print(f"[bench_async] {len(jobs) - len(runs)} of {len(jobs)} runs failed (see above)", flush=True)
+    if not runs:
+        return 1
     print_report(meta, runs)
-    _plot(runs, latencies, seeds[0], args.png)
-    print(f"\naccuracy against wall-clock seconds (seed {seeds[0] if seeds[0] is not None else 'default'}): {args.png}")
-    return 0
+    if all((lat, seeds[0], m) in runs for lat in latencies for m in ("sync", "async")):
+        _plot(runs, latencies, seeds[0], args.png)
+        print(f"\naccuracy against wall-clock seconds (seed {seeds[0] if seeds[0] is not None else 'default'}): "
+              f"{args.png}")
+    return 0 if len(runs) == len(jobs) else 1
+
+
+def run_all(config: str, jobs: list, parallel: int, meta: dict, json_path: str | None) -> dict:
+    """Each run in a fresh subprocess, up to ``parallel`` at once (their output then goes to a log file
+    each); the results so far are written to ``json_path`` after every run."""
+    runs: dict[tuple[float, int | None, str], dict] = {}
+    logs = Path(tempfile.mkdtemp(prefix="bench_async_"))
+    pending, running = list(enumerate(jobs)), {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            i, (key, spec) = pending.pop(0)
+            out, log = logs / f"run{i}.json", logs / f"run{i}.log"
+            cmd = [sys.executable, __file__, "--config", config, "--_child", json.dumps(spec), str(out)]
+            sink = open(log, "w") if parallel > 1 else None  # noqa: SIM115 - closed when the run ends
+            print(f"[bench_async] latency {key[0]:g} s, seed {key[1] if key[1] is not None else 'default'}, "
+                  f"{key[2]}: running" + (f" (log: {log})" if sink else ""), flush=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT if sink else None)
+            running[proc] = (key, out, log, sink)
+        time.sleep(1.0)
+        for proc in [p for p in running if p.poll() is not None]:
+            key, out, log, sink = running.pop(proc)
+            if sink:
+                sink.close()
+            if proc.returncode != 0 or not out.exists():
+                print(f"[bench_async] {key}: FAILED with exit code {proc.returncode}" +
+                      (f"; its log: {log}" if sink else ""), flush=True)
+                continue
+            runs[key] = json.loads(out.read_text())
+            print(f"[bench_async] {key}: done, {runs[key]['wall_s']:.1f} s", flush=True)
+            if json_path:  # after every run: a benchmark cut short still leaves what it measured
+                Path(json_path).write_text(json.dumps({"meta": meta, "runs": {
+                    f"{k[0]}/{k[1]}/{k[2]}": v for k, v in runs.items()}}, indent=1))
+    return runs
 
 
 def _runs_from_json(saved: dict) -> dict[tuple[float, int | None, str], dict]:
