@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weight mapping and config translation (nemo_like.models.policy.megatron_mapping),
+"""HF <-> Megatron-core weight mapping and config translation (nemo_like.models.policy.megatron_mapping, megatron_dims),
 on the CPU with the real megatron-core and tiny random HF models.
 
 Megatron's forward wants CUDA in three places only (the rotary table moved to
@@ -20,6 +20,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 from nemo_like.models.policy import megatron_mapping as mm  # noqa: E402
+from nemo_like.models.policy.megatron_dims import model_dims  # noqa: E402
 
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=96, vocab_size=128, max_position_embeddings=256)
@@ -93,7 +94,7 @@ def test_config_qwen2_qwen3_values():
 
 def test_config_from_a_plain_dict_and_transformers4_style_rope():
     d = dict(SHAPE, model_type="llama", rope_theta=123.0, rope_scaling=None, tie_word_embeddings=True)
-    dims = mm.model_dims(d)
+    dims = model_dims(d)
     assert dims.rope_theta == 123.0 and dims.tied and dims.head_dim == 16 and dims.q_per_group == 2
 
 
