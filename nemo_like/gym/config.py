@@ -22,6 +22,8 @@ from nemo_like.config import (
     load_yaml_with_defaults,
     with_imports,
 )
+from nemo_like.config_sections import ClusterConfig, ResourcePoolConfig
+from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.gym.agent import AgentPolicyConfig
 from nemo_like.gym.loss import VALUE_LOSS_KEYS, ValueLossConfig
 from nemo_like.gym.step_env import check_step_env_name
@@ -29,7 +31,7 @@ from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
 from nemo_like.utils.options import apply_registered_options
 
-__all__ = ["GymMasterConfig", "load_gym_config", "validate_gym_config"]
+__all__ = ["GYM_ROLES", "GymMasterConfig", "load_gym_config", "validate_gym_config"]
 
 
 class _Strict(BaseModel):
@@ -122,11 +124,30 @@ class TrajectoryGRPOConfig(BaseModel):
         return value
 
 
+# The collectors are a gym run's Ray workers, its rollout role (``generation``, as a language-model run's
+# rollout group): env.num_collectors x env.cpus_per_collector without pools. The network trains in the
+# driver process, which Ray does not place: a gym run has no policy or critic workers to put on a pool.
+GYM_ROLES = {"generation": "the collectors"}
+_DRIVER = ("the network (policy and value head) trains in the driver process, which is not a Ray worker and is "
+           "not placed; the collectors are the run's workers: name cluster.roles.generation")
+_OTHER_ROLES = {"policy": _DRIVER, "critic": _DRIVER, "reference": _DRIVER,
+                "reward_model": "a gym run has no reward model; remove the key"}
+
+
 class GymClusterConfig(_Strict):
+    """The subset of the language-model run's ``cluster`` section a gym run uses (same keys, same
+    meaning): the Ray cluster, and pools of machines for its roles."""
+
     # Ray cluster to join; None: $RAY_ADDRESS, else a new local cluster.
     address: str | None = None
     # CPUs of the local Ray cluster started here; None: every core. Ignored when joining a cluster.
     num_cpus: int | None = Field(None, ge=1)
+    # Named pools of machines ({name: {nodes, cpus_per_node, gpus_per_node, node_resource}}) as in the
+    # language-model config; empty: the collectors get a placement group of their own.
+    resource_pools: dict[str, ResourcePoolConfig] = {}
+    # Which pool each role runs on: a gym run has one, generation (the collectors); on a pool
+    # env.num_collectors is a multiple of its nodes and the pool sets each collector's CPUs.
+    roles: dict[str, str] = {}
 
 
 class GymMasterConfig(UserImports):
@@ -181,7 +202,41 @@ class GymMasterConfig(UserImports):
             # Only GAE gives the value head returns to regress on: the key would be silently ignored.
             raise ValueError(f"loss_fn.{keys[0]} trains the value head, which only grpo.advantage_estimator=gae uses "
                              f"(grpo.advantage_estimator is {self.grpo.advantage_estimator!r}): remove it or set grpo.advantage_estimator=gae")
+        self.placement_cluster()
         return self
+
+    def placement_cluster(self) -> ClusterConfig:
+        """The run's placement in the language-model run's cluster schema, checked by its rules (one
+        line naming the key): the collectors are the generation role, sized by env.num_collectors."""
+        c, env = self.cluster, self.env
+        refuse_roles_not_placed(c.roles, "a gym run", GYM_ROLES, _OTHER_ROLES)
+        try:
+            cluster = ClusterConfig(address=c.address, num_cpus=c.num_cpus, resource_pools=c.resource_pools,
+                                    roles=c.roles, generation={"num_workers": env.num_collectors,
+                                                               "cpus_per_worker": env.cpus_per_collector})
+        except ValidationError as e:  # the pools' and roles' own rules: their message names the key
+            raise ValueError(format_validation_error(e)) from None
+        pool_name = c.roles.get("generation")
+        if pool_name is not None:  # the collectors' size is gym's keys, so checked here under their names
+            pool = c.resource_pools[pool_name]
+            if pool.gpus_per_node:
+                raise ValueError(f"cluster.resource_pools.{pool_name}.gpus_per_node={pool.gpus_per_node}: the collectors "
+                                 "run their networks on the CPU, so a GPU would sit idle; use a pool without GPUs")
+            if env.num_collectors % pool.nodes:
+                raise ValueError(f"env.num_collectors={env.num_collectors} does not spread evenly over pool "
+                                 f"{pool_name!r}'s {pool.nodes} nodes; use a multiple of {pool.nodes}")
+            share = pool.cpus_per_node * pool.nodes / env.num_collectors
+            if "cpus_per_collector" in env.model_fields_set and abs(env.cpus_per_collector - share) > 1e-9:
+                raise ValueError(f"env.cpus_per_collector={env.cpus_per_collector:g}: on pool {pool_name!r} each "
+                                 f"collector gets {share:g} CPU(s) (cpus_per_node / collectors a node); set "
+                                 f"env.cpus_per_collector={share:g}, or cluster.resource_pools.{pool_name}.cpus_per_node="
+                                 f"{env.cpus_per_collector * env.num_collectors / pool.nodes:g}")
+            # The schema's own checks with the pool's share (a key set to it is no conflict).
+            cluster = cluster.model_copy(update={"generation": cluster.generation.model_copy(
+                update={"cpus_per_worker": share})})
+        cluster.check_roles({"policy": False, "generation": True, "reference": False, "critic": False,
+                             "reward_model": False}, {})
+        return cluster
 
     def loss_options(self) -> dict[str, Any]:
         """The options of the policy loss (``loss_fn`` less its name and the value term's keys)."""

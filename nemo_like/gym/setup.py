@@ -19,10 +19,11 @@ from torch import nn
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.config import ConfigError
 from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
+from nemo_like.distributed.resource_pools import PLAN_HEADER, PlacementError, place_roles
 from nemo_like.environments.supervision import EnvironmentStartError
 from nemo_like.gym.agent import ObsBatch, build_network
 from nemo_like.gym.collector import CollectorGroup
-from nemo_like.gym.config import GymMasterConfig
+from nemo_like.gym.config import GYM_ROLES, GymMasterConfig
 from nemo_like.gym.step_env import ObsSpec, make_step_env
 from nemo_like.gym.trainer import AGENT_FILE, GymGRPOTrainer
 from nemo_like.utils.checkpoint import preflight_checkpoints
@@ -77,6 +78,20 @@ def check_value_head(net: nn.Module, spec: ObsSpec, cfg: GymMasterConfig) -> Non
                           "network with a value head (mlp, cnn) or a group-relative grpo.advantage_estimator (mean_std)")
 
 
+def _wait_for_collector_cpus(cfg: GymMasterConfig) -> None:
+    """Without pools: ConfigError unless the collectors' CPUs are free (they would wait forever)."""
+    need = cfg.env.num_collectors * cfg.env.cpus_per_collector
+    # The CPUs of a run closed just before (a notebook cell run again) come back within moments.
+    deadline = time.monotonic() + 10.0
+    while (have := ray.available_resources().get("CPU", 0.0)) < need and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if need > have:
+        raise ConfigError(f"env.num_collectors={cfg.env.num_collectors} x env.cpus_per_collector="
+                          f"{cfg.env.cpus_per_collector} needs {need:g} CPUs; the Ray cluster has {have:g} free "
+                          f"of {ray.cluster_resources().get('CPU', 0.0):g} (lower one of them, e.g. "
+                          "env.cpus_per_collector=0.5, or close the run that holds them)")
+
+
 def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer:
     """Start (or join) Ray, the collectors, the network and its optimizer, the logger and the
     checkpointer; resume from the latest checkpoint in checkpoint_dir."""
@@ -118,22 +133,27 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
             except Exception as e:
                 print(f"[nemo_like] cleanup: {e!r}")
 
+    cluster = cfg.placement_cluster()  # the language-model run's schema and checks (the config checked it)
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
-        need = cfg.env.num_collectors * cfg.env.cpus_per_collector
-        # The CPUs of a run closed just before (a notebook cell run again) come back within moments.
-        deadline = time.monotonic() + 10.0
-        while (have := ray.available_resources().get("CPU", 0.0)) < need and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if need > have:  # the collectors would wait forever for CPUs
-            raise ConfigError(f"env.num_collectors={cfg.env.num_collectors} x env.cpus_per_collector="
-                              f"{cfg.env.cpus_per_collector} needs {need:g} CPUs; the Ray cluster has {have:g} free "
-                              f"of {ray.cluster_resources().get('CPU', 0.0):g} (lower one of them, e.g. "
-                              "env.cpus_per_collector=0.5, or close the run that holds them)")
+        where: dict[str, Any] = {}
+        if cluster.resource_pools:
+            # Reserved as a GRPO run's roles are: a pool the cluster cannot hold fails here, naming it.
+            try:
+                plan = place_roles(cluster, list(GYM_ROLES))
+            except PlacementError as e:
+                raise ConfigError(str(e)) from None
+            resources.append(plan.shutdown)
+            print(plan.summary(labels=GYM_ROLES))
+            where = {"placement": plan["generation"]}
+        else:
+            _wait_for_collector_cpus(cfg)
+            print(f"{PLAN_HEADER}\n  generation ({GYM_ROLES['generation']}) -> no pool ({cfg.env.num_collectors} x "
+                  f"{cfg.env.cpus_per_collector:g} CPU, restartable actors Ray places) -> any node with room")
         collectors = CollectorGroup(cfg.env.id, cfg.env.kwargs, cfg.env.max_episode_steps, cfg.policy,
                                     cfg.env.num_collectors, cfg.env.cpus_per_collector, seed=cfg.grpo.seed,
-                                    collect_timeout_s=cfg.env.collect_timeout_s)
+                                    collect_timeout_s=cfg.env.collect_timeout_s, **where)
         resources.append(collectors.close)
         # A frozen reference only when the loss has a KL term (clipped_pg has one by default).
         ref_net = copy.deepcopy(net).requires_grad_(False) if _reference_coef(loss_fn) > 0 else None

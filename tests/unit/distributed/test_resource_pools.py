@@ -14,7 +14,8 @@ from nemo_like.config_sections import ClusterConfig
 from nemo_like.distributed.resource_pools import PlacementError, ResourcePool, RolePlacement, place_roles
 from nemo_like.distributed.worker_group import RayWorkerGroup
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs")
+CONFIG = os.path.join(CONFIGS, "grpo_math_tiny.yaml")
 
 
 def _cfg(*overrides: str):
@@ -59,6 +60,78 @@ def test_bad_pools_and_roles_are_one_line_naming_the_key(overrides, words):
         _cfg(*overrides)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+_POOL = "++cluster.resource_pools.main.cpus_per_node=2"
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    # The reward model trained is the policy role (sized by cluster.num_workers, as before pools).
+    ([_POOL, "++cluster.roles.reward_model=main"],
+     ["cluster.roles.reward_model: reward-model training has no reward_model role", "cluster.roles.policy"]),
+    ([_POOL, "++cluster.roles.policy=main", "++cluster.roles.critic=main"],
+     ["cluster.roles.critic: reward-model training has no critic role", "policy (the reward model trained)"]),
+    ([_POOL], ["cluster.resource_pools.main: no role runs on it"]),
+    (["++cluster.roles.policy=main"], ["cluster.roles names pools", "cluster.resource_pools is empty"]),
+    ([_POOL, "++cluster.resource_pools.main.nodes=2", "++cluster.roles.policy=main"],
+     ["cluster.num_workers=1 does not spread evenly over pool 'main'", "multiple of 2"]),
+    (["++cluster.resource_pools.main.cpus_per_node=4", "++cluster.roles.policy=main"],
+     ["cluster.cpus_per_worker=2: on pool 'main' each policy worker gets 4 CPU(s)"]),
+    (["cluster.reward_model.num_workers=2"], ["cluster.reward_model: reward-model training starts no",
+                                              "cluster.num_workers"]),
+    (["cluster.num_workers=3"], ["reward_model.train_global_batch_size=64 does not divide over cluster.num_workers=3"]),
+])
+def test_reward_model_training_is_placed_by_the_same_rules(overrides, words):
+    from nemo_like.algorithms.rm import load_rm_config
+
+    with pytest.raises(ConfigError) as e:
+        load_rm_config(os.path.join(CONFIGS, "rm_math_tiny.yaml"), overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    # The collectors are the gym run's only workers: the generation role, sized by env.num_collectors.
+    ([_POOL, "++cluster.roles.policy=main"], ["cluster.roles.policy: a gym run has no policy role", "driver process",
+                                              "cluster.roles.generation"]),
+    ([_POOL, "++cluster.roles.generation=main", "++cluster.roles.critic=main"], ["cluster.roles.critic"]),
+    ([_POOL, "++cluster.roles.generation=mian"], ["cluster.roles.generation: no pool 'mian'", "['main']"]),
+    (["++cluster.roles.generation=main"], ["cluster.roles names pools", "cluster.resource_pools is empty"]),
+    ([_POOL, "++cluster.resource_pools.other.cpus_per_node=1", "++cluster.roles.generation=main"],
+     ["cluster.resource_pools.other: no role runs on it"]),
+    (["++cluster.resource_pools.main.nodes=2", "++cluster.roles.generation=main", "env.num_collectors=3"],
+     ["env.num_collectors=3 does not spread evenly over pool 'main'", "multiple of 2"]),
+    (["++cluster.resource_pools.main.cpus_per_node=4", "++cluster.roles.generation=main"],
+     ["env.cpus_per_collector=1: on pool 'main' each collector gets 2 CPU(s)", "env.cpus_per_collector=2",
+      "cluster.resource_pools.main.cpus_per_node=2"]),
+    ([_POOL, "++cluster.resource_pools.main.gpus_per_node=1", "++cluster.roles.generation=main"],
+     ["cluster.resource_pools.main.gpus_per_node=1: the collectors run", "without GPUs"]),
+])
+def test_gym_agents_are_placed_by_the_same_rules(overrides, words):
+    from nemo_like.gym.config import load_gym_config
+
+    with pytest.raises(ConfigError) as e:
+        load_gym_config(os.path.join(CONFIGS, "grpo_cartpole.yaml"), overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_reward_model_and_gym_configs_without_pools_keep_their_meaning():
+    from nemo_like.algorithms.rm import load_rm_config
+    from nemo_like.gym.config import load_gym_config
+
+    rm = load_rm_config(os.path.join(CONFIGS, "rm_math_tiny.yaml"))
+    assert (rm.cluster.num_workers, rm.cluster.cpus_per_worker, rm.cluster.num_cpus) == (1, 2.0, 2)
+    assert rm.cluster.resource_pools == {} and rm.cluster.role_workers("policy") is rm.cluster
+    for name in ("grpo_cartpole", "grpo_acrobot", "grpo_catch", "ppo_cartpole"):
+        gym = load_gym_config(os.path.join(CONFIGS, f"{name}.yaml"))
+        placed = gym.placement_cluster()
+        assert placed.resource_pools == {} and placed.generation.num_workers == gym.env.num_collectors == 2
+    # On a pool that does not set it, the pool sizes each collector (2 CPUs a node over 2 collectors).
+    gym = load_gym_config(os.path.join(CONFIGS, "grpo_cartpole.yaml"),
+                          ["++cluster.resource_pools.cpu.cpus_per_node=4", "++cluster.roles.generation=cpu",
+                           "env.cpus_per_collector=2"])
+    assert gym.placement_cluster().pool_sharing() == {"cpu": ["generation"]}
 
 
 def test_the_default_run_on_a_pool_validates_and_keeps_the_old_sections_meaning():
