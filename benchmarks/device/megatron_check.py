@@ -57,11 +57,15 @@ TEXTS = [
 def _load_mapping():
     """nemo_like.models.policy.megatron_mapping by file: importing it through the package would run
     nemo_like.models.policy's __init__ (pydantic and the rest), which a bare GPU image may lack."""
-    path = ROOT / "nemo_like" / "models" / "policy" / "megatron_mapping.py"
-    spec = importlib.util.spec_from_file_location("megatron_mapping", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["megatron_mapping"] = mod
-    spec.loader.exec_module(mod)
+    folder = ROOT / "nemo_like" / "models" / "policy"
+    # megatron_mapping imports megatron_dims by its package path: that module (plain Python) is loaded
+    # by file first under that name, so the import finds it without the package's __init__.
+    for name, module_name in (("megatron_dims", "nemo_like.models.policy.megatron_dims"),
+                              ("megatron_mapping", "megatron_mapping")):
+        spec = importlib.util.spec_from_file_location(module_name, folder / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = mod
+        spec.loader.exec_module(mod)
     return mod
 
 
