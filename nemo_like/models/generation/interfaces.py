@@ -47,7 +47,8 @@ class GenerationConfig(BaseModel):
     # worker): an episode's next turn is admitted as soon as its environment answers, while the other
     # rows keep decoding (nemo_like/experience/streaming.py). False (default): turn by turn, every
     # sample's turn generated, then all graded. Off because on 2 CPU cores it measured slower: the
-    # graders' CPU work then competes with decoding for the same cores (README, "Streaming episodes").
+    # graders' CPU work then competes with decoding for the same cores (docs/performance.md,
+    # "Streamed episodes against turn by turn").
     stream_episodes: bool = False
     # Prefix caching (models/generation/prefix_cache.py): a multi-turn episode's next turn is prefilled
     # on top of the KV its last turn left, not from scratch. At most this many tokens are kept per
