@@ -1,22 +1,32 @@
-"""Typed experiment config: YAML files with `defaults:` inheritance and Hydra-style overrides.
+"""Typed experiment config: the schema of a language-model run (``MasterConfig``) and its checks;
+reading YAML with `defaults:` inheritance and overrides is ``nemo_like.config_loading``'s.
 
 Everything is validated here, before Ray starts, so a typo costs a second and not a cluster start.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nemo_like import config_loading as loading
 from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
+from nemo_like.config_loading import (
+    IMPORT_PREFIX,
+    ConfigError,
+    Provenance,
+    format_validation_error,
+    load_yaml_with_defaults,
+    load_yaml_with_provenance,
+    parse_cli,
+    with_imports,
+)
 from nemo_like.config_sections import (
     BootstrapConfig,
     ClusterConfig,
@@ -24,7 +34,6 @@ from nemo_like.config_sections import (
     GRPOConfig,
     RewardModelRewardConfig,
 )
-from nemo_like.data.datasets import GENERATOR_KINDS
 from nemo_like.data.processors import PROCESSOR_REGISTRY
 from nemo_like.environments.env_config import validate_env_config
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model, get_env_class
@@ -39,9 +48,11 @@ from nemo_like.utils.logger import LoggerConfig
 # policy.model_name of a config whose model the bootstrap builds (any name after the colon).
 BOOTSTRAP_MODEL_PREFIX = "bootstrap:"
 
-
-class ConfigError(ValueError):
-    """A bad config file, key or value. The CLI prints it on one line and exits with code 2."""
+# The loading names callers import from here.
+__all__ = ["BOOTSTRAP_MODEL_PREFIX", "IMPORT_PREFIX", "SELECTING_KEYS", "BootstrapConfig", "ConfigError",
+           "MasterConfig", "Provenance", "UserImports", "apply_overrides", "format_validation_error",
+           "import_user_modules", "load_config", "load_yaml_with_defaults", "load_yaml_with_provenance",
+           "parse_cli", "schema_field", "validate_config", "with_imports"]
 
 
 class _Strict(BaseModel):
@@ -333,196 +344,79 @@ class MasterConfig(UserImports):
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading
+# Loading (the machinery is nemo_like.config_loading's; here the language-model schema is plugged in)
 # ---------------------------------------------------------------------------------------------
-def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_yaml_with_defaults(path: str | Path, _seen: tuple = ()) -> dict:
-    """`defaults: other.yaml` (or a list) names files, relative to this one, that this file overrides."""
-    path = Path(path).resolve()
-    if path in _seen:
-        raise ConfigError(f"{path}: `defaults` cycle through {' -> '.join(map(str, _seen))}")
-    data = _read_yaml(path)
-    defaults = data.pop("defaults", None) or []
-    if isinstance(defaults, str):
-        defaults = [defaults]
-    merged: dict = {}
-    for d in defaults:
-        merged = _deep_merge(merged, load_yaml_with_defaults(path.parent / d, _seen + (path,)))
-    return _deep_merge(merged, data)
-
-
-def _nested_model(field: Any) -> type[BaseModel] | None:
-    """The pydantic model a field holds (``X``, ``X | None``, ``X | list[X]``), if any."""
-    ann = field.annotation
-    sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-    return sub[0] if sub else None
+# Sections that take the options of what these keys select, as extra keys beside their own: a child
+# (a file that inherits, or an override) that selects something else drops the parent's options.
+# Unions of sections with a tag (a dataset generator's `kind`) are found in the schema itself.
+SELECTING_KEYS: dict[str, tuple[str, ...]] = {
+    "grpo": ("advantage_estimator",),
+    "loss_fn": ("name", "policy_loss"),
+    "policy.generation": ("backend",),
+    "policy": ("backend",),
+}
 
 
 def schema_field(keys: list[str], schema: type[BaseModel] | None = None) -> Any:
-    """The field of the config schema (``MasterConfig`` unless given) at ``keys`` (``["grpo",
-    "dynamic_sampling", "enabled"]``), or None where the schema has none (a missing key, or a key
-    under a free-form mapping)."""
-    model: type[BaseModel] | None = schema or MasterConfig
-    field = None
-    for k in keys:
-        field = model.model_fields.get(k) if model is not None else None
-        if field is None:
-            return None
-        model = _nested_model(field)
-    return field
+    """The field of the config schema (``MasterConfig`` unless given) at ``keys``, or None."""
+    return loading.schema_field(keys, schema or MasterConfig)
 
 
 def _schema_has(keys: list[str], schema: type[BaseModel] | None = None) -> bool:
-    """``keys`` name a field of the schema, or lie under a free-form mapping (``env.<name>.<option>``),
-    or name a key of a section that takes the options of what it selects (``loss_fn.<option>``, checked
-    when the config is validated)."""
-    for i in range(1, len(keys) + 1):
-        field = schema_field(keys[:i], schema)
-        if field is None:
-            parent = _nested_model(schema_field(keys[:i - 1], schema)) if i > 1 else (schema or MasterConfig)
-            return i == len(keys) and parent is not None and parent.model_config.get("extra") == "allow"
-        if _nested_model(field) is None and getattr(field.annotation, "__origin__", None) is dict:
-            return True
-    return True
+    return loading.schema_has(keys, schema or MasterConfig)
 
 
-def _schema_fields(keys: list[str], schema: type[BaseModel] | None = None) -> list[str]:
-    """Field names the schema has at ``keys`` (for a did-you-mean when the YAML has no such section)."""
-    field = schema_field(keys, schema) if keys else None
-    model = (schema or MasterConfig) if not keys else _nested_model(field) if field is not None else None
-    return list(model.model_fields) if model is not None else []
+def apply_overrides(cfg: dict, overrides: list[str], schema: type[BaseModel] | None = None,
+                    provenance: Provenance | None = None) -> dict:
+    """``key=value`` overrides checked against ``schema`` (``MasterConfig`` unless given); see
+    ``nemo_like.config_loading.apply_overrides``."""
+    return loading.apply_overrides(cfg, overrides, schema or MasterConfig, provenance,
+                                   SELECTING_KEYS if schema is None else None)
 
 
-def apply_overrides(cfg: dict, overrides: list[str], schema: type[BaseModel] | None = None) -> dict:
-    """`a.b=value` sets a key that the YAML or the schema (``MasterConfig`` unless given) knows;
-    `++a.b=value` may add any key. Values are parsed as YAML (`3` int, `true` bool, `null` None,
-    `[1,2]` list)."""
-    for ov in overrides:
-        force = ov.startswith("++")
-        body = ov[2:] if force else ov
-        if "=" not in body:
-            raise ConfigError(f"override {ov!r}: expected key=value")
-        key, raw = body.split("=", 1)
-        parts = key.strip().split(".")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        node = cfg
-        for i, k in enumerate(parts[:-1]):
-            if not isinstance(node.get(k), dict):
-                if k in node and node[k] is not None and not force:
-                    raise ConfigError(f"override {ov!r}: {'.'.join(parts[:i + 1])} is not a mapping")
-                node[k] = {}
-            node = node[k]
-        present = parts[-1] in node
-        if not (present or force or _schema_has(parts, schema)):
-            close = difflib.get_close_matches(parts[-1], list(node) + _schema_fields(parts[:-1], schema), n=1)
-            hint = f" (did you mean {'.'.join(parts[:-1] + close)}?)" if close else ""
-            raise ConfigError(f"override {ov!r}: unknown config key {key!r}{hint}; use ++{key}=... to add it")
-        node[parts[-1]] = value
-    return cfg
-
-
-def _readable_loc(loc: tuple) -> str:
-    """``data.train.generator.reasoning_gym.dataset`` -> ``data.train.generator.dataset``: pydantic
-    puts a union's tag or branch type in the location; the user wrote neither."""
-    out: list[str] = []
-    for x in map(str, loc):
-        if x.startswith("function-") or (out and out[-1] == "generator" and x in GENERATOR_KINDS):
-            continue
-        out.append(x)
-    return ".".join(out)
-
-
-def format_validation_error(e: ValidationError) -> str:
-    errors = e.errors()
-    # `x: A | list[A]` reports a bad A twice: as A, and as "not a list". Keep the first where both are.
-    branch = [err for err in errors if any(str(x).startswith("list[") for x in err["loc"])]
-    if len(branch) < len(errors):
-        errors = [err for err in errors if err not in branch]
-    parts = []
-    for err in errors:
-        loc = _readable_loc(err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown config key"
-        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
-            msg += f" (got {err['input']!r})"
-        # A section's own validator may already name the full key (loss_fn.tau: ...).
-        parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc + ".") else msg)
-    return "; ".join(parts)
-
-
-def validate_config(cfg: dict) -> MasterConfig:
+def validate_config(cfg: dict, provenance: Provenance | None = None) -> MasterConfig:
     try:
         return MasterConfig.model_validate(cfg)
     except ValidationError as e:
-        raise ConfigError(f"invalid config: {format_validation_error(e)}") from None
+        raise ConfigError(f"invalid config: {format_validation_error(e, provenance)}") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterConfig:
-    raw, rest = with_imports(load_yaml_with_defaults(path), list(overrides or []))
-    return validate_config(apply_overrides(raw, rest))
+    """The YAML at ``path`` (with its ``defaults:``) and ``key=value`` overrides, checked; a ConfigError
+    names the bad key and the file and line (or the command line) it came from."""
+    raw, provenance = load_yaml_with_provenance(path, MasterConfig, SELECTING_KEYS)
+    raw, rest = with_imports(raw, list(overrides or []))
+    return validate_config(apply_overrides(raw, rest, provenance=provenance), provenance)
 
 
-IMPORT_PREFIX = "imports+="
+def inheritance_rules_markdown() -> str:
+    """The rules of ``defaults:`` inheritance and overrides, for docs/reference/config.md (the
+    sections that select are listed from the schema, so the page cannot fall behind it)."""
+    selectors = loading.selectors_of(MasterConfig, SELECTING_KEYS)
+    tagged = [".".join(map(str, p)) + f".{s.keys[0]}" for p, s in selectors.items() if s.keep is None]
+    options = [f"{'.'.join(map(str, p))}.{k}" for p, s in selectors.items() if s.keep is not None for k in s.keys]
 
+    def code(keys: list[str]) -> str:
+        return ", ".join(f"`{k}`" for k in keys)
 
-def with_imports(raw: dict, overrides: list[str]) -> tuple[dict, list[str]]:
-    """``imports+=my_pkg.envs`` overrides (the CLI's ``--import``) appended to the YAML's ``imports:``
-    list, which the config imports first when it is validated; returns the other overrides."""
-    extra = [o.removeprefix(IMPORT_PREFIX) for o in overrides if o.startswith(IMPORT_PREFIX)]
-    if extra:
-        raw = dict(raw, imports=list(raw.get("imports") or []) + extra)
-    return raw, [o for o in overrides if not o.startswith(IMPORT_PREFIX)]
-
-
-def parse_cli(argv: list[str], default_config: str | Path) -> tuple[str, list[str]]:
-    """`[--config PATH] [--import MODULE ...] [key=value ...]` -> (config path, overrides); each
-    ``--import m`` is an ``imports+=m`` entry of the overrides (see ``with_imports``)."""
-    path, overrides, i = str(default_config), [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("--config", "--import"):
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{a} needs a {'path' if a == '--config' else 'module name'}")
-            if a == "--config":
-                path = argv[i + 1]
-            else:
-                overrides += [IMPORT_PREFIX + m for m in argv[i + 1].split(",") if m.strip()]
-            i += 2
-            continue
-        if a.startswith("--import="):
-            overrides += [IMPORT_PREFIX + m for m in a.split("=", 1)[1].split(",") if m.strip()]
-        elif a.startswith("--config="):
-            path = a.split("=", 1)[1]
-        elif a in ("-h", "--help"):
-            raise SystemExit("usage: [--config PATH] [--import MODULE ...] [key=value | ++key=value ...]  "
-                             f"(default: {default_config})")
-        elif "=" in a:
-            overrides.append(a)
-        else:
-            raise ConfigError(f"unexpected argument {a!r}: expected --config PATH or key=value")
-        i += 1
-    return path, overrides
+    return "\n".join([
+        "## How configs combine", "",
+        "- `defaults:` names a file or a list of files, relative to this one; they are merged in order, then the file "
+        "itself over them. Mappings merge key by key; a list or a value replaces the parent's whole (a list of "
+        "datasets is never merged item by item).",
+        "- A *selecting key* decides what the rest of its section means. When a child (a file that inherits, or a "
+        "`key=value` override) gives it another value than the parent's, the parent's keys that belonged to the "
+        "old choice are dropped before the child's are merged in:",
+        f"  - a section chosen by its tag is replaced whole: {code(tagged)} (a generator left without `kind` is "
+        "`arithmetic`); a child that switches to `kind: reasoning_gym` keeps none of the parent's `min_value`, "
+        "`ops`, `split`, ...;",
+        f"  - a section that takes the options of what it selects keeps its own keys and drops the parent's "
+        f"options: {code(options)} (`policy` holds no backend options, so nothing is dropped there).",
+        "- On the command line the overrides of selecting keys are applied first, whatever their order: "
+        "`data.train.generator.kind=reasoning_gym data.train.generator.dataset=letter_counting "
+        "data.train.generator.split=train data.train.generator.num_samples=500` builds a new generator, with the "
+        "keys the new kind requires given again.",
+        "- Errors say where a key came from: `(set in my_run.yaml:4)` for the file loaded, `(inherited from "
+        "examples/configs/grpo_math_tiny.yaml:56)` for a file it inherits, `(command line)` for an override; a key "
+        "no file sets has its default, and no note. An inherited key cannot be removed, only set to another value: "
+        "an error about one says what to set."])

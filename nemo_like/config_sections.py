@@ -1,5 +1,5 @@
 """The sections of the language-model config (``grpo``, ``cluster``, ``bootstrap``, ``data``), apart
-from ``MasterConfig`` and the loading in ``nemo_like.config``, which re-exports them. The ``policy``,
+from ``MasterConfig`` in ``nemo_like.config``, which re-exports them. The ``policy``,
 ``loss_fn``, ``critic``, ``logger`` and ``checkpointing`` sections live beside the code they configure.
 """
 
@@ -306,16 +306,23 @@ class ClusterConfig(_Strict):
             if n % pool.nodes:
                 raise ValueError(f"{key}.num_workers={n} does not spread evenly over pool {pool_name!r}'s "
                                  f"{pool.nodes} nodes; use a multiple of {pool.nodes}")
-            # The pool sizes each worker; a section that says otherwise would be silently overruled.
-            share = pool.cpus_per_node / (pool.gpus_per_node or n // pool.nodes)
+            # The pool sizes each worker; a section that says otherwise would be silently overruled. The
+            # key may be inherited from a file the user did not write: the fix is a value to set, not a
+            # key to remove (an inherited key cannot be removed, only set).
+            per_node = pool.gpus_per_node or n // pool.nodes
+            share = pool.cpus_per_node / per_node
             if "cpus_per_worker" in section.model_fields_set and abs(section.cpus_per_worker - share) > 1e-9:
                 raise ValueError(f"{key}.cpus_per_worker={section.cpus_per_worker:g}: on pool {pool_name!r} each "
-                                 f"{role} worker gets {share:g} CPU(s) (cpus_per_node / workers a node); remove the "
-                                 f"key or set cluster.resource_pools.{pool_name}.cpus_per_node")
+                                 f"{role} worker gets {share:g} CPU(s) (cpus_per_node / workers a node); set "
+                                 f"{key}.cpus_per_worker={share:g} (or leave it out), or set cluster.resource_pools."
+                                 f"{pool_name}.cpus_per_node={section.cpus_per_worker * per_node:g} to give each "
+                                 f"worker {section.cpus_per_worker:g}")
             gpus = 1 if pool.gpus_per_node else 0
             if "gpus_per_worker" in section.model_fields_set and section.gpus_per_worker != gpus:
                 raise ValueError(f"{key}.gpus_per_worker={section.gpus_per_worker:g}: on pool {pool_name!r} each "
-                                 f"{role} worker gets {gpus} GPU; remove the key")
+                                 f"{role} worker gets {gpus} GPU; set {key}.gpus_per_worker={gpus} (or leave it out)"
+                                 + ("" if gpus else f", or give the pool GPUs (cluster.resource_pools.{pool_name}."
+                                                    "gpus_per_node)"))
 
         gen, pol = self.roles.get("generation"), self.roles.get("policy")
         if gen is not None and gen == pol:  # (a run without generation has no cluster.roles.generation: above)

@@ -212,11 +212,12 @@ def test_a_dataset_whose_processor_nobody_registered_is_a_config_error(own_env_r
     from nemo_like.environments.math_environment import MathEnvironment
 
     registry.register_env("my_task", MathEnvironment)
-    # The processor defaults to the env_name: found here, not deep in setup after Ray started.
-    with pytest.raises(ConfigError, match=r"data.train.processor \(task 'math'\): no data processor 'my_task' is "
-                                          r"registered \(a dataset's processor defaults to its env_name\); set "
-                                          r"data.train.processor=math"):
-        load_config(TINY, ["data.train.env_name=my_task"])
+    # A processor named but not registered: found here, not deep in setup after Ray started.
+    with pytest.raises(ConfigError, match=r"data.train.processor \(task 'math'\): no data processor 'my_tsk' is "
+                                          r"registered; set data.train.processor=math"):
+        load_config(TINY, ["data.train.env_name=my_task", "data.train.processor=my_tsk"])
+    # None given: an environment of the user's without a processor of its name grades prompt-only rows.
+    assert load_config(TINY, ["data.train.env_name=my_task"]).data.train_list[0].processor == "math"
     cfg = load_config(TINY, ["data.train.env_name=my_task", "data.train.processor=math",
                              "data.validation.env_name=my_task", "data.validation.processor=math"])
     assert cfg.data.train_list[0].processor == "math"
