@@ -143,7 +143,7 @@ class GymClusterConfig(_Strict):
     # CPUs of the local Ray cluster started here; None: every core. Ignored when joining a cluster.
     num_cpus: int | None = Field(None, ge=1)
     # Named pools of machines ({name: {nodes, cpus_per_node, gpus_per_node, node_resource}}) as in the
-    # language-model config; empty: the collectors get a placement group of their own.
+    # language-model config; empty: Ray places each collector where env.cpus_per_collector CPUs are free.
     resource_pools: dict[str, ResourcePoolConfig] = {}
     # Which pool each role runs on: a gym run has one, generation (the collectors); on a pool
     # env.num_collectors is a multiple of its nodes and the pool sets each collector's CPUs.
