@@ -90,3 +90,8 @@ def test_task_lag_per_task_is_steps_behind_the_trained_weights():
     batch = {"policy_version": torch.tensor([3, 2, 3, 3]), "task_name": ["code", "code", "math", "math"]}
     assert ba._task_lag(batch, 3) == {"lag/code": 0.5, "lag/math": 0.0}
     assert ba._task_lag({"task_name": ["code"]}, 3) == {}  # the synchronous loop records no version
+
+
+def test_saved_run_keys_read_back():
+    saved = {"1.0/42/sync": {"wall_s": 1.0}, "0.0/None/async": {"wall_s": 2.0}}
+    assert ba._runs_from_json(saved) == {(1.0, 42, "sync"): {"wall_s": 1.0}, (0.0, None, "async"): {"wall_s": 2.0}}
