@@ -261,17 +261,29 @@ class CollectorGroup:
 
     def __init__(self, env_id: str | Any, env_kwargs: dict[str, Any], max_episode_steps: int | None,
                  policy_config: AgentPolicyConfig, num_collectors: int, cpus_per_collector: float = 1.0,
-                 seed: int = 0, max_retries: int = 3, collect_timeout_s: float | None = None) -> None:
+                 seed: int = 0, max_retries: int = 3, collect_timeout_s: float | None = None,
+                 placement: Any = None) -> None:
+        """``placement``: a RolePlacement (a pool's share, nemo_like.distributed.resource_pools) or a
+        RayVirtualCluster whose bundle ``bundle_index(k)`` collector k runs in, reserving its
+        ``cpus_per_worker``; None: Ray places each collector where ``cpus_per_collector`` CPUs are free."""
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        actor_cls = ray.remote(TrajectoryCollector).options(
-            num_cpus=cpus_per_collector, max_restarts=-1, max_task_retries=0)
+        actor_cls = ray.remote(TrajectoryCollector)
+
+        def options(k: int) -> dict[str, Any]:
+            if placement is None:
+                return {"num_cpus": cpus_per_collector}
+            # A restarted collector comes back in the same bundle.
+            return {"num_cpus": placement.cpus_per_worker, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=placement.placement_group, placement_group_bundle_index=placement.bundle_index(k))}
+
         # A name (registered or gymnasium), or already what builds the environment (a class).
         factory = step_env_factory(env_id) if isinstance(env_id, str) else env_id
         env_id = env_id if isinstance(env_id, str) else getattr(env_id, "__qualname__", repr(env_id))
-        self.actors = [actor_cls.remote(factory, env_kwargs, max_episode_steps, policy_config.model_dump(), seed)
-                       for _ in range(num_collectors)]
+        self.actors = [actor_cls.options(max_restarts=-1, max_task_retries=0, **options(k)).remote(
+            factory, env_kwargs, max_episode_steps, policy_config.model_dump(), seed) for k in range(num_collectors)]
         self.max_retries = max_retries
         self.collect_timeout_s = collect_timeout_s
         self.restarts = 0

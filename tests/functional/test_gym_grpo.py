@@ -44,10 +44,21 @@ def test_cartpole_learns_with_the_weights_of_the_latest_update(tmp_path, ray_ses
         assert exp.act([np.zeros(4, dtype=np.float32)] * 2) in ([0, 0], [1, 1])
 
 
-def test_short_trajectories_are_dropped_and_only_complete_groups_trained(tmp_path, ray_session):
-    with GymGRPOExperiment(CARTPOLE, _overrides(tmp_path, "env.min_trajectory_length=15",
+def test_short_trajectories_are_dropped_and_only_complete_groups_trained(tmp_path, ray_session, capsys):
+    import ray
+
+    # On a resource pool (cluster.roles.generation: the collectors), placed as a GRPO run's roles are.
+    pool = ["++cluster.resource_pools.cpu.cpus_per_node=2", "++cluster.roles.generation=cpu"]
+    with GymGRPOExperiment(CARTPOLE, _overrides(tmp_path, "env.min_trajectory_length=15", *pool,
                                                 "grpo.max_refill_rounds=3", "checkpointing.enabled=false")) as exp:
         m = exp.step()
+        # The two collectors run in the pool's bundle, 1 of its 2 CPUs each: none of it is left.
+        pg = [k for k, p in ray.util.placement_group_table().items() if p["name"] == "pool-cpu" and
+              p["state"] == "CREATED"]
+        assert len(pg) == 1 and ray.available_resources().get(f"CPU_group_{pg[0]}", 0.0) == 0.0
+    plan = capsys.readouterr().out
+    assert ("[nemo_like] placement (role -> pool -> nodes):\n  generation (the collectors) -> pool 'cpu' "
+            "(1 node(s) x 2 CPU) -> node ") in plan and " ranks 0,1\n" in plan, plan
     assert m["train/dropped_short"] > 0
     assert m["train/groups_complete"] + m["train/groups_incomplete"] == 8
     assert m["train/groups_complete"] >= 1
