@@ -150,7 +150,8 @@ class MasterConfig(UserImports):
     def _schedule_spans_the_run(cls, data: Any) -> Any:
         """``scheduler.total_steps: auto`` (``policy.`` or ``critic.``): that model's optimizer steps over
         the run, so a decay still ends at the last step when ``grpo.max_num_steps`` or a batch size is
-        overridden. The critic trains every step (its warm-up too), ``critic.ppo_epochs`` passes each."""
+        overridden. The critic trains every step (its warm-up too), ``critic.ppo_epochs`` passes each; the
+        policy ``grpo.ppo_epochs`` passes a step."""
         if not isinstance(data, dict):
             return data
         g = data.get("grpo") or {}
@@ -170,7 +171,7 @@ class MasterConfig(UserImports):
                     get(g, GRPOConfig, "num_generations_per_prompt"))
                 gbs = part.get("train_global_batch_size") if section == "critic" else None
                 gbs = gbs or data["policy"]["train_global_batch_size"]
-                passes = int(part.get("ppo_epochs", 1)) if section == "critic" else 1
+                passes = int(part.get("ppo_epochs", 1) if section == "critic" else get(g, GRPOConfig, "ppo_epochs"))
                 per_step = max(1, completions // int(gbs)) * passes
                 # At least one step past warmup: a run of 0 steps (validation only) still validates.
                 total = max(int(get(g, GRPOConfig, "max_num_steps")) * per_step, int(sched.get("warmup_steps", 0)) + 1)

@@ -23,7 +23,7 @@ from pydantic_core import PydanticUndefined
 
 from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from nemo_like.algorithms.policy_losses import LOSSES, POLICY_LOSSES
-from nemo_like.config import MasterConfig
+from nemo_like.config import MasterConfig, inheritance_rules_markdown
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model
 from nemo_like.gym.config import GymMasterConfig
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
@@ -198,6 +198,7 @@ def render_config_reference() -> str:
                  "Generated from the schema by `uv run python -m nemo_like.config_reference > "
                  "docs/reference/config.md`; a test fails when this page is stale. How configs are written, "
                  "inherited and overridden: [getting started](../getting_started.md).", ""]
+    page.out += [inheritance_rules_markdown(), ""]
     _top("Language-model runs (`examples/run_grpo_math.py`)", MasterConfig, page)
     _options(page)
     page.out.append("")

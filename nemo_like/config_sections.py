@@ -131,7 +131,7 @@ class GRPOConfig(BaseModel):
     advantage_estimator: str = "grpo"
     # Passes over each step's batch (TRL's num_iterations, verl's ppo_epochs, the GRPO paper's mu): every
     # pass clips the ratio against the log-probs from before the step's first update, so the later passes
-    # are off-policy by the earlier ones' updates. Each pass's metrics are logged (train/epoch<k>/...).
+    # are off-policy by the earlier ones' updates. Each pass's metrics are logged (train/pass<k>/...).
     ppo_epochs: int = Field(1, ge=1)
     # A sample counts as solved, for train/ and val/ accuracy, when its reward is at least this. 1.0 suits
     # the built-in graders (1 = right); set it for rewards on another scale (e.g. 0.5 for a [0, 1) score).

@@ -31,6 +31,8 @@ def test_auto_schedule_spans_the_run():
     longer = load_config(TINY, ["grpo.max_num_steps=100", "policy.train_global_batch_size=64"])
     assert longer.policy.scheduler.decay == "linear" and longer.policy.scheduler.total_steps == 100 * 4
     assert load_config(TINY, ["grpo.max_num_steps=0"]).policy.scheduler.total_steps == 1  # still a valid schedule
+    # grpo.ppo_epochs passes over each batch: that many optimizer steps more.
+    assert load_config(TINY, ["grpo.ppo_epochs=3"]).policy.scheduler.total_steps == 250 * 2 * 3
     fixed = load_config(TINY, ["policy.scheduler.total_steps=50"])
     assert fixed.policy.scheduler.total_steps == 50
     with pytest.raises(ConfigError, match="policy.scheduler.total_steps"):
