@@ -326,9 +326,10 @@ def parse_cli(argv: list[str], default_config: str | Path) -> tuple[str, list[st
             overrides += [IMPORT_PREFIX + m for m in a.split("=", 1)[1].split(",") if m.strip()]
         elif a.startswith("--config="):
             path = a.split("=", 1)[1]
-        elif a in ("-h", "--help"):
-            raise SystemExit("usage: [--config PATH] [--import MODULE ...] [key=value | ++key=value ...]  "
-                             f"(default: {default_config})")
+        elif a in ("-h", "--help"):  # asked for, so printed to stdout with success, as argparse does
+            print("usage: [--config PATH] [--import MODULE ...] [key=value | ++key=value ...]  "
+                  f"(default: {default_config})\nEvery key and its default: docs/reference/config.md")
+            raise SystemExit(0)
         elif "=" in a:
             overrides.append(a)
         else:

@@ -67,3 +67,12 @@ def test_run_cli_exits_4_with_one_line_on_a_dead_worker_and_reraises_anything_el
 
     with pytest.raises(ValueError, match="a bug"):
         run_cli(["--config", CONFIG], CONFIG, broken)
+
+
+def test_help_prints_the_usage_and_succeeds(capsys):
+    from nemo_like.config import parse_cli
+
+    with pytest.raises(SystemExit) as e:
+        parse_cli(["--help"], "examples/configs/grpo_math_tiny.yaml")
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: [--config PATH]")
