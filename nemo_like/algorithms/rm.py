@@ -132,13 +132,14 @@ def load_rm_config(path: str | Path, overrides: list[str] | None = None) -> RMCo
     """The YAML (with its ``defaults:``) and ``key=value`` overrides, checked: ConfigError naming the key."""
     from pydantic import ValidationError
 
-    from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_defaults
+    from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_provenance
 
-    raw = apply_overrides(load_yaml_with_defaults(path), list(overrides or []), schema=RMConfig)
+    raw, provenance = load_yaml_with_provenance(path, RMConfig, {})
+    raw = apply_overrides(raw, list(overrides or []), schema=RMConfig, provenance=provenance)
     try:
         return RMConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"invalid config: {format_validation_error(e)}") from None
+        raise ConfigError(f"invalid config: {format_validation_error(e, provenance)}") from None
 
 
 def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:

@@ -16,10 +16,11 @@ from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_need
 from nemo_like.algorithms.loss_functions import get_loss_fn
 from nemo_like.config import (
     ConfigError,
+    Provenance,
     UserImports,
     apply_overrides,
     format_validation_error,
-    load_yaml_with_defaults,
+    load_yaml_with_provenance,
     with_imports,
 )
 from nemo_like.config_sections import ClusterConfig, ResourcePoolConfig
@@ -249,13 +250,22 @@ class GymMasterConfig(UserImports):
         return ValueLossConfig.model_validate({k: self.loss_fn[k] for k in VALUE_LOSS_KEYS if k in self.loss_fn})
 
 
-def validate_gym_config(cfg: dict) -> GymMasterConfig:
+def validate_gym_config(cfg: dict, provenance: Provenance | None = None) -> GymMasterConfig:
     try:
         return GymMasterConfig.model_validate(cfg)
     except ValidationError as e:
-        raise ConfigError(f"invalid config: {format_validation_error(e)}") from None
+        raise ConfigError(f"invalid config: {format_validation_error(e, provenance)}") from None
+
+
+# The estimator's options live in grpo beside it (as in the language-model schema): a child that picks
+# another estimator drops the parent's options. loss_fn is not listed: its free-form keys (vf_coef,
+# cliprange_value) are the loss's whatever its name.
+_GYM_SELECTING = {"grpo": ("advantage_estimator",)}
 
 
 def load_gym_config(path: str | Path, overrides: list[str] | None = None) -> GymMasterConfig:
-    raw, rest = with_imports(load_yaml_with_defaults(path), list(overrides or []))
-    return validate_gym_config(apply_overrides(raw, rest, schema=GymMasterConfig))
+    """The YAML (with its ``defaults:``, selecting keys replacing what they owned) and ``key=value``
+    overrides, checked: a ConfigError names the key and the file and line (or command line) it came from."""
+    raw, provenance = load_yaml_with_provenance(path, GymMasterConfig, _GYM_SELECTING)
+    raw, rest = with_imports(raw, list(overrides or []))
+    return validate_gym_config(apply_overrides(raw, rest, schema=GymMasterConfig, provenance=provenance), provenance)

@@ -267,3 +267,16 @@ data:
     with pytest.raises(ConfigError, match=re.escape(f"invalid config: data.train.1.generator.min_value: unknown "
                                                     f"config key (set in {child}:5)")):
         load_config(child)
+
+
+def test_gym_and_reward_model_configs_name_where_a_bad_key_came_from(tmp_path):
+    from nemo_like.algorithms.rm import load_rm_config
+    from nemo_like.gym.config import load_gym_config
+
+    examples = Path(__file__).resolve().parents[2] / "examples" / "configs"
+    (tmp_path / "gym.yaml").write_text(f"defaults: {examples / 'grpo_cartpole.yaml'}\ngrpo:\n  max_num_stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"grpo.max_num_stepz: unknown config key.*grpo.max_num_stepz: set in .*gym.yaml:3"):
+        load_gym_config(tmp_path / "gym.yaml")
+    (tmp_path / "rm.yaml").write_text(f"defaults: {examples / 'rm_math_tiny.yaml'}\n")
+    with pytest.raises(ConfigError, match=r"\(command line\)"):
+        load_rm_config(tmp_path / "rm.yaml", ["reward_model.train_global_batch_size=-1"])
