@@ -29,6 +29,7 @@ from nemo_like.utils.checkpoint import (
     CheckpointingConfig,
     preflight_checkpoints,
     ranked_training_info,
+    resume_wanted,
 )
 from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, LoggerConfig
@@ -243,7 +244,7 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
         rm = RewardModel(placed["policy"], cfg.reward_model.model_copy(update={"model_name": model_dir}),
                          seed=cfg.trainer.seed)
         logger = Logger(cfg.logger)
-        latest = ckpt.open_for_run() if ckpt is not None else None
+        latest = ckpt.open_for_run(resume_wanted(cfg.checkpointing)) if ckpt is not None else None
         if latest is not None:
             # Another run may have saved between the check and the lock: then that checkpoint is checked too.
             state = saved if latest == found else _resumable(latest, plan, len(batches))

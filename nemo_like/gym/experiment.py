@@ -52,7 +52,7 @@ class GymGRPOExperiment(LiveExperiment):
     """A live trajectory-level GRPO run: Ray and the collector actors stay up between calls."""
 
     def __init__(self, config: GymMasterConfig | str | Path | dict, overrides: Sequence[str] | None = None, *,
-                 resume: bool = True) -> None:
+                 resume: bool | None = None) -> None:
         cfg = _to_config(config, overrides)
         close_open_experiments()  # of either kind: the old one's collectors or workers hold the CPUs
         self.closed = False

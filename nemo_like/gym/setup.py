@@ -26,7 +26,7 @@ from nemo_like.gym.collector import CollectorGroup
 from nemo_like.gym.config import GYM_ROLES, GymMasterConfig
 from nemo_like.gym.step_env import ObsSpec, make_step_env
 from nemo_like.gym.trainer import AGENT_FILE, GymGRPOTrainer
-from nemo_like.utils.checkpoint import preflight_checkpoints
+from nemo_like.utils.checkpoint import preflight_checkpoints, resume_wanted
 from nemo_like.utils.checkpoint_io import CheckpointError
 from nemo_like.utils.logger import Logger
 
@@ -92,7 +92,7 @@ def _wait_for_collector_cpus(cfg: GymMasterConfig) -> None:
                           "env.cpus_per_collector=0.5, or close the run that holds them)")
 
 
-def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer:
+def setup_gym(config: GymMasterConfig, *, resume: bool | None = None) -> GymGRPOTrainer:
     """Start (or join) Ray, the collectors, the network and its optimizer, the logger and the
     checkpointer; resume from the latest checkpoint in checkpoint_dir."""
     cfg = config.model_copy(deep=True)
@@ -167,7 +167,7 @@ def setup_gym(config: GymMasterConfig, *, resume: bool = True) -> GymGRPOTrainer
         free()
         raise
     try:  # checkpoint_dir is locked until trainer.close()
-        latest = ckpt.open_for_run(resume) if ckpt else None
+        latest = ckpt.open_for_run(resume_wanted(cfg.checkpointing, resume)) if ckpt else None
         if latest is not None:
             trainer.load_checkpoint(latest)
             trainer.history = logger.keep_steps_up_to(trainer.step_count)
