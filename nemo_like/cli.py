@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
+from nemo_like.utils.progress import quiet_library_bars
 
 if TYPE_CHECKING:  # a language-model run does not load the gym modules
     from nemo_like.gym.config import GymMasterConfig
@@ -24,6 +25,7 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], in
     from nemo_like.environments.supervision import EnvironmentFailureError, EnvironmentStartError
     from nemo_like.utils.checkpoint import CheckpointError
 
+    quiet_library_bars()  # off a terminal: plain lines only
     try:
         path, overrides = parse_cli(argv, default_config)
         config = loader(path, overrides)

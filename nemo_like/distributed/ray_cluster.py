@@ -69,7 +69,12 @@ def _user_code_paths() -> list[str]:
 def _runtime_env() -> dict[str, Any]:
     existing = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     paths = _user_code_paths() + [p for p in existing if p not in _user_code_paths()]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}} if paths else {}
+    # A worker's output reaches the driver line by line through Ray: a progress bar there (transformers'
+    # "Loading weights") arrives as its redraws run together on one line, in a terminal or a log.
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return {"env_vars": env}
 
 
 def init_ray(

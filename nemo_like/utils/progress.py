@@ -33,6 +33,21 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+def quiet_library_bars() -> None:
+    """Off a terminal, the libraries' own bars (datasets' "Generating train split", transformers'
+    "Loading weights", the hub's downloads) go too: each would leave its redraws run together on one line.
+    (Ray workers never draw theirs: distributed.ray_cluster turns them off in the workers' environment.)"""
+    if bar_wanted():
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is first imported
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()  # already imported: their switches, not the variables, decide
+    transformers.utils.logging.disable_progress_bar()
+
+
 def progress_bar(iterable: Any = None, **kwargs: Any) -> tqdm:
     """A tqdm bar that is drawn in a terminal and silent elsewhere (it still counts)."""
     kwargs.setdefault("dynamic_ncols", True)

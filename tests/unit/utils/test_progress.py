@@ -32,3 +32,18 @@ def test_a_bar_can_be_forced_and_then_redraws():
     text = _run("bar")
     assert "\r" in text and "GRPO" in text
     assert "step 3  reward 0.5" in text
+
+
+def test_off_a_terminal_the_libraries_bars_are_off_too():
+    script = ("from nemo_like.utils.progress import quiet_library_bars; quiet_library_bars()\n"
+              "import datasets, transformers\n"
+              "print(datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_ray_workers_never_draw_library_bars():
+    from nemo_like.distributed.ray_cluster import _runtime_env
+
+    assert _runtime_env()["env_vars"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
