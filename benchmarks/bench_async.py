@@ -304,6 +304,16 @@ def _fmt_p(p: float) -> str:
     return "n/a" if p != p else ("< 0.001" if p < 0.001 else f"{p:.3f}")
 
 
+def _fmt_pts(x: float, sign: str = "+") -> str:
+    return "n/a" if x != x else f"{x:{sign}.1f}"
+
+
+def step_mean(steps: list[dict], key: str) -> float:
+    """Mean over the steps that logged ``key`` (NaN when none did)."""
+    xs = [s[key] for s in steps if key in s]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def print_report(meta: dict, runs: dict[tuple[float, int | None, str], dict]) -> None:
     print(f"\ncommand: {meta['command']}")
     print(f"config: {meta['config']} ({meta['cpus']} CPUs); async: max_staleness={meta['staleness']}, "
@@ -330,10 +340,18 @@ def print_report(meta: dict, runs: dict[tuple[float, int | None, str], dict]) ->
             t = r["seed_test"]
             n = len(r["diff"])
             print(f"| {task} | {sum(r['sync']) / n:.1f} | {sum(r['async']) / n:.1f} | "
-                  f"{', '.join(f'{d:+.1f}' for d in r['diff'])} | {t['mean']:+.1f} | {t['sd']:.1f} | "
-                  f"[{t['ci_low']:+.1f}, {t['ci_high']:+.1f}] | {_fmt_p(t['p'])} | {r['pairs']} | "
+                  f"{', '.join(f'{d:+.1f}' for d in r['diff'])} | {t['mean']:+.1f} | {_fmt_pts(t['sd'], '')} | "
+                  f"[{_fmt_pts(t['ci_low'])}, {_fmt_pts(t['ci_high'])}] | {_fmt_p(t['p'])} | {r['pairs']} | "
                   f"{r['gained']} / {r['lost']} | {_fmt_p(r['mcnemar_p'])} | {sum(r['lag_sync']) / n:.2f} | "
                   f"{sum(r['lag_async']) / n:.2f} |")
+        # The importance correction of the async side: a weight near 1 and nothing truncated means it
+        # barely changed the loss (the stale samples' weights were close to the trained ones).
+        for (la, seed, mode), r in sorted(runs.items(), key=lambda kv: str(kv[0][1])):
+            if la == lat and mode == "async":
+                print(f"async seed {seed}: mean staleness {step_mean(r['steps'], 'train/staleness_mean'):.2f}, "
+                      f"importance weight exp(prev - gen) {step_mean(r['steps'], 'train/sampling_importance_ratio'):.4f}, "
+                      f"truncated {step_mean(r['steps'], 'train/is_truncated_fraction'):.2%} of tokens, "
+                      f"|gen - prev| factor {step_mean(r['steps'], 'train/token_mult_prob_error'):.4f}")
 
 
 def _plot(runs: dict, latencies: list[float], seed: int | None, path: str) -> None:
