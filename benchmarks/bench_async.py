@@ -152,6 +152,8 @@ def main(argv: list[str]) -> int:
                     help="validate the base model in every run (default: in the first seed's only: it is the same)")
     ap.add_argument("--async-extra", action="append", metavar="KEY=VALUE",
                     help="an override of the async side only (repeatable), e.g. a hypothesis to test")
+    ap.add_argument("--sides", default="sync,async",
+                    help="which sides to run (default both; one side alone, e.g. to set a variant beside a saved run)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once (default 1; more measures accuracy only: the runs share the cores)")
     ap.add_argument("--report", default=None, metavar="JSON", help="print the tables of a saved --json and exit")
@@ -200,6 +202,8 @@ def main(argv: list[str]) -> int:
         for seed in seeds:
             seed_o = [] if seed is None else [f"grpo.seed={seed}"]
             for mode, extra in (("sync", []), ("async", async_o + (args.async_extra or []))):
+                if mode not in args.sides.split(","):
+                    continue
                 # The base model's validation is the same for every run: once per latency is enough.
                 jobs.append(((lat, seed, mode), {"overrides": base + lat_o + seed_o + extra,
                                                  "base_val": seed == seeds[0] or args.base_val_every}))
