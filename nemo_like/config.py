@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +313,22 @@ class MasterConfig(UserImports):
 
     def _check_env_datasets(self) -> None:
         """Each dataset against the environment that grades it (``check_dataset``: e.g. a prompt that
-        never asks for the answer format the grader reads), for environments registered now."""
+        never asks for the answer format the grader reads), for environments registered now. Datasets
+        of one task_name share that task's one environment actor (the first's): they must name the same
+        grader: a later one is graded by the first's grader, which its config does not name (a warning:
+        a test or recipe that changes only the train set's grader still runs, as it always did)."""
+        graders: dict[str, tuple[str, str, Any]] = {}
+        for where, datasets in (("train", self.data.train_list), ("validation", self.data.validation_list)):
+            for ds in datasets:
+                mine = (ds.env_name, [r.model_dump() for r in ds.reward_fns or []])
+                first = graders.setdefault(ds.task_name, (where, *mine))
+                if first[1:] != mine:
+                    what = "env_name" if first[1] != mine[0] else "reward_fns"
+                    warnings.warn(f"data.{where} (task {ds.task_name!r}) names {what} "
+                                  f"{mine[0 if what == 'env_name' else 1]!r}, but data.{first[0]} of the same task "
+                                  f"{first[1 if what == 'env_name' else 2]!r}: a task's datasets share one grader, the "
+                                  f"first's, so data.{where} is graded by data.{first[0]}'s. Give it the same {what}, or "
+                                  "a task_name of its own", UserWarning, stacklevel=2)
         for where, datasets in (("train", self.data.train_list), ("validation", self.data.validation_list)):
             for ds in datasets:
                 processor = ds.processor or ds.env_name
@@ -368,11 +384,12 @@ def _schema_has(keys: list[str], schema: type[BaseModel] | None = None) -> bool:
 
 
 def apply_overrides(cfg: dict, overrides: list[str], schema: type[BaseModel] | None = None,
-                    provenance: Provenance | None = None) -> dict:
-    """``key=value`` overrides checked against ``schema`` (``MasterConfig`` unless given); see
+                    provenance: Provenance | None = None, selecting: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """``key=value`` overrides checked against ``schema`` (``MasterConfig`` unless given; ``selecting``:
+    that schema's selecting keys, as its loader reads its files with); see
     ``nemo_like.config_loading.apply_overrides``."""
     return loading.apply_overrides(cfg, overrides, schema or MasterConfig, provenance,
-                                   SELECTING_KEYS if schema is None else None)
+                                   SELECTING_KEYS if schema is None else selecting)
 
 
 def validate_config(cfg: dict, provenance: Provenance | None = None) -> MasterConfig:

@@ -63,7 +63,7 @@ def step_metrics(cfg: Any, batch: BatchedDataDict, train_data: BatchedDataDict, 
         metrics["train/logprob_padding_efficiency"] = logprob_eff
     timings = timings | {"generation": rollout_metrics.get("generation_s", 0.0)}
     metrics |= {f"timing/{k}": v for k, v in timings.items()}
-    metrics |= throughput_metrics(timings, train_data, batch, train_metrics)
+    metrics |= throughput_metrics(timings, train_data, batch, train_metrics, cfg.grpo.ppo_epochs)
     metrics["train/prev_logprobs_reused"] = float(reused)
     if "skip_pass" in train_data:
         metrics["train/skipped_inert_frac"] = float(train_data["skip_pass"].float().mean())

@@ -35,6 +35,7 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
     this run's. ``resume``: None follows ``checkpointing.resume``; True/False force it (the notebook API)."""
     import ray
 
+    from nemo_like.data.chat_templates import resolve_chat_template
     from nemo_like.data.datasets import load_dataset_from_config
     from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
     from nemo_like.distributed.resource_pools import PlacementError, place_roles
@@ -93,6 +94,10 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
         return tok
 
     max_in = cfg.data.max_input_seq_length
+    if cfg.policy.chat_template != "default":
+        # The template's text, read here: a worker on another node (or in another folder) resolves no
+        # relative .jinja path, and what the run trained with is then in its saved config.
+        cfg.policy.chat_template = resolve_chat_template(cfg.policy.chat_template)
     bootstrap = cfg.bootstrap is not None and cfg.bootstrap.enabled
     if not bootstrap:  # a gguf: file becomes a normal HF folder once (cached); a hub id or folder stays as is
         cfg.policy.model_name = resolve_model_source(cfg.policy.model_name)

@@ -33,11 +33,12 @@ _RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.max_dur
                       "grpo.reuse_generation_logprobs", "grpo.logprob_check_period", "grpo.skip_inert_samples",
                       "grpo.max_consecutive_env_failures", "grpo.env_step_timeout_s", "grpo.stop_on_collapse.",
                       "grpo.val_at_end", "grpo.max_val_samples", "logger.", "checkpointing.", "cluster.",
-                      "bootstrap.cache_dir")
+                      "bootstrap.cache_dir", "grpo.success_threshold")
 # The models a run trains, as the user named them: the saved run_config.json holds them resolved (a
-# gguf: file's converted folder, the bootstrap's cache folder), so they are compared as given, from
+# gguf: file's converted folder, the bootstrap's cache folder, a template file's text), so they are compared as given, from
 # RUN_IDENTITY_FILE. A checkpoint written before that file existed cannot tell, and is not refused for them.
-MODEL_KEYS = ("policy.model_name", "policy.tokenizer_name", "critic.model_name", "reward_model.model_name")
+MODEL_KEYS = ("policy.model_name", "policy.tokenizer_name", "critic.model_name", "reward_model.model_name",
+              "policy.chat_template")  # (a template is saved as its text, named as given)
 # Beside run_config.json in each checkpoint: the model names as given and the data files' contents.
 RUN_IDENTITY_FILE = "run_identity.json"
 

@@ -8,6 +8,7 @@ cares where the data came from.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from nemo_like.data.errors import DataError  # re-exported: callers catch nemo_l
 from nemo_like.data.loaders import check_prompt_column, load_hub, load_local
 from nemo_like.data.processors import PROCESSOR_REGISTRY
 from nemo_like.data.reasoning_gym_tasks import ReasoningGymConfig, generate_reasoning_gym_dataset
+from nemo_like.environments.reward_fn_environment import get_reward_fn
 
 OPERATORS = ("+", "-", "*")
 VALIDATION_PERCENT = 10  # share of the problem space held out for the validation split
@@ -325,14 +327,24 @@ class DatasetConfig(BaseModel):
         return self
 
 
-# Reward functions of ours that read the reference answer (ground_truth); any other may not.
-_ANSWER_READING_FNS = ("math_accuracy",)
+# The names under which a reward function is handed the reference answer column.
+_ANSWER_KWARGS = {"ground_truth", "expected_answer"}
 
 
 def _graded_without_answers(cfg: DatasetConfig) -> bool:
-    """Only reward functions grade these rows, and none of ours that needs the answer column."""
-    return cfg.env_name == "reward_fn" and bool(cfg.reward_fns) and not any(
-        isinstance(r.fn, str) and r.fn in _ANSWER_READING_FNS for r in cfg.reward_fns)
+    """Only reward functions grade these rows, and none names the answer (``ground_truth``) as a
+    parameter: a function that asks for it would get "" for every row and score 0 in silence."""
+    if cfg.env_name != "reward_fn" or not cfg.reward_fns:
+        return False
+    for r in cfg.reward_fns:
+        try:
+            fn = get_reward_fn(r.fn)
+        except (ImportError, KeyError, TypeError):
+            return False  # named before Ray starts (env_config), with its own error
+        params = inspect.signature(fn).parameters if callable(fn) else {}
+        if _ANSWER_KWARGS & set(params):
+            return False
+    return True
 
 
 def load_dataset_from_config(cfg: DatasetConfig) -> datasets.Dataset:
@@ -395,7 +407,7 @@ def _normalise_columns(ds: datasets.Dataset, cfg: DatasetConfig, source: str, co
     ):
         if key not in present:
             needs = ("" if role == "problem_key" or cfg.env_name != "reward_fn" else
-                     " (the reward function math_accuracy compares against it)")
+                     " (a reward function takes ground_truth, the answer column)")
             raise DataError(f"{source}: missing column '{key}' ({role}){needs}; columns present: {present}")
         if key != target and target in present:
             raise DataError(

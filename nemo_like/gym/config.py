@@ -175,7 +175,8 @@ class GymMasterConfig(UserImports):
     @field_validator("loss_fn")
     @classmethod
     def _loss(cls, value: dict[str, Any]) -> dict[str, Any]:
-        value = dict(value)
+        # null turns a value-loss key off: the way to undo one inherited from a PPO recipe.
+        value = {k: v for k, v in value.items() if not (k in VALUE_LOSS_KEYS and v is None)}
         name = value.setdefault("name", "trajectory_pg")
         try:
             ValueLossConfig.model_validate({k: value[k] for k in VALUE_LOSS_KEYS if k in value})
@@ -202,7 +203,8 @@ class GymMasterConfig(UserImports):
         if self.grpo.advantage_estimator != "gae" and (keys := [k for k in VALUE_LOSS_KEYS if k in self.loss_fn]):
             # Only GAE gives the value head returns to regress on: the key would be silently ignored.
             raise ValueError(f"loss_fn.{keys[0]} trains the value head, which only grpo.advantage_estimator=gae uses "
-                             f"(grpo.advantage_estimator is {self.grpo.advantage_estimator!r}): remove it or set grpo.advantage_estimator=gae")
+                             f"(grpo.advantage_estimator is {self.grpo.advantage_estimator!r}): set loss_fn.{keys[0]}: "
+                             "null (or leave it out), or set grpo.advantage_estimator=gae")
         self.placement_cluster()
         return self
 
@@ -260,12 +262,13 @@ def validate_gym_config(cfg: dict, provenance: Provenance | None = None) -> GymM
 # The estimator's options live in grpo beside it (as in the language-model schema): a child that picks
 # another estimator drops the parent's options. loss_fn is not listed: its free-form keys (vf_coef,
 # cliprange_value) are the loss's whatever its name.
-_GYM_SELECTING = {"grpo": ("advantage_estimator",)}
+GYM_SELECTING = {"grpo": ("advantage_estimator",)}
 
 
 def load_gym_config(path: str | Path, overrides: list[str] | None = None) -> GymMasterConfig:
     """The YAML (with its ``defaults:``, selecting keys replacing what they owned) and ``key=value``
     overrides, checked: a ConfigError names the key and the file and line (or command line) it came from."""
-    raw, provenance = load_yaml_with_provenance(path, GymMasterConfig, _GYM_SELECTING)
+    raw, provenance = load_yaml_with_provenance(path, GymMasterConfig, GYM_SELECTING)
     raw, rest = with_imports(raw, list(overrides or []))
-    return validate_gym_config(apply_overrides(raw, rest, schema=GymMasterConfig, provenance=provenance), provenance)
+    return validate_gym_config(apply_overrides(raw, rest, schema=GymMasterConfig, provenance=provenance,
+                                               selecting=GYM_SELECTING), provenance)

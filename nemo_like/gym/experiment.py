@@ -25,7 +25,7 @@ import torch
 from nemo_like.config import apply_overrides
 from nemo_like.experiment import LiveExperiment, close_open_experiments, track_open_experiment
 from nemo_like.gym.agent import obs_to_tensor
-from nemo_like.gym.config import GymMasterConfig, load_gym_config, validate_gym_config
+from nemo_like.gym.config import GYM_SELECTING, GymMasterConfig, load_gym_config, validate_gym_config
 from nemo_like.gym.setup import setup_gym
 from nemo_like.gym.trainer import GymGRPOTrainer, gym_grpo_train
 from nemo_like.utils.plotting import plot_metrics, save_training_curves
@@ -44,7 +44,8 @@ def _to_config(config: GymMasterConfig | str | Path | dict, overrides: Sequence[
             return config.model_copy(deep=True)
         config = config.model_dump(mode="json")
     if isinstance(config, dict):
-        return validate_gym_config(apply_overrides(dict(config), overrides, schema=GymMasterConfig))
+        return validate_gym_config(apply_overrides(dict(config), overrides, schema=GymMasterConfig,
+                                                   selecting=GYM_SELECTING))
     raise TypeError(f"config must be a YAML path, a dict or a GymMasterConfig, got {type(config).__name__}")
 
 

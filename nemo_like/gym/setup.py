@@ -45,7 +45,8 @@ def check_gym_resume_compatible(cfg: GymMasterConfig, checkpoint: Path) -> None:
     path = checkpoint / "run_config.json"
     if not (checkpoint / AGENT_FILE).exists() or not path.exists():
         raise ConfigError(f"checkpointing.checkpoint_dir={cfg.checkpointing.checkpoint_dir}: {checkpoint.name} is not "
-                          "a gym GRPO checkpoint (no agent.pt); point checkpoint_dir elsewhere")
+                          "a gym GRPO checkpoint (no agent.pt); point checkpoint_dir elsewhere, or set "
+                          "checkpointing.resume=false to start over there")
     saved = json.loads(path.read_text())
     now = cfg.model_dump(mode="json")
     keys = [("env", "id"), ("env", "kwargs"), ("env", "max_episode_steps")] + [
@@ -55,7 +56,7 @@ def check_gym_resume_compatible(cfg: GymMasterConfig, checkpoint: Path) -> None:
         if old != new:
             raise ConfigError(f"{section}.{key}={new!r} but the checkpoint in checkpointing.checkpoint_dir="
                               f"{cfg.checkpointing.checkpoint_dir} was trained with {old!r}: use that value, "
-                              "or another checkpoint_dir for a new run")
+                              "or start a new run (checkpointing.resume=false there, or another checkpoint_dir)")
 
 
 def check_value_head(net: nn.Module, spec: ObsSpec, cfg: GymMasterConfig) -> None:
@@ -169,6 +170,7 @@ def setup_gym(config: GymMasterConfig, *, resume: bool | None = None) -> GymGRPO
     try:  # checkpoint_dir is locked until trainer.close()
         latest = ckpt.open_for_run(resume_wanted(cfg.checkpointing, resume)) if ckpt else None
         if latest is not None:
+            check_gym_resume_compatible(cfg, latest)  # again: one may have been saved since the preflight
             trainer.load_checkpoint(latest)
             trainer.history = logger.keep_steps_up_to(trainer.step_count)
             print(f"[nemo_like] resumed from {latest} at step {trainer.step_count}")

@@ -48,8 +48,9 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def throughput_metrics(timings: dict[str, float], train_data: Any, rollout: Any,
-                       train_metrics: dict[str, float]) -> dict[str, float]:
-    """``perf/*`` of one GRPO step: tokens per second of each phase, peak memory, MFU (GPU)."""
+                       train_metrics: dict[str, float], train_passes: int = 1) -> dict[str, float]:
+    """``perf/*`` of one GRPO step: tokens per second of each phase, peak memory, MFU (GPU).
+    ``train_passes``: passes over the batch the train timing covers (grpo.ppo_epochs)."""
     out: dict[str, float] = {}
     gen_tokens = float(rollout["generation_lengths"].sum()) if "generation_lengths" in rollout else 0.0
     seq_tokens = float(train_data["input_lengths"].sum())
@@ -58,7 +59,8 @@ def throughput_metrics(timings: dict[str, float], train_data: Any, rollout: Any,
     if timings.get("logprobs", 0) > 0:
         out["perf/logprob_tokens_per_s"] = seq_tokens / timings["logprobs"]
     if timings.get("train", 0) > 0:  # the tokens trained (inert samples skipped are not)
-        out["perf/train_tokens_per_s"] = train_metrics.get("trained_tokens", seq_tokens) / timings["train"]
+        out["perf/train_tokens_per_s"] = (train_metrics.get("trained_tokens", seq_tokens) * train_passes
+                                          / timings["train"])
     for k in ("peak_memory_gb", "mfu"):
         if k in train_metrics:
             out[f"perf/{k}"] = train_metrics[k]

@@ -21,6 +21,8 @@ def bar_wanted() -> bool:
     forced = os.environ.get(PROGRESS_ENV, "").strip().lower()
     if forced in ("bar", "plain"):
         return forced == "bar"
+    if "ipykernel" in sys.modules:  # a notebook: tqdm.auto draws its widget there, never a redraw in text
+        return True
     # Both: the bar draws on stderr, the lines go to stdout; with either one captured the two
     # streams interleave where a reader sees them.
     return _isatty(sys.stdout) and _isatty(sys.stderr)

@@ -280,3 +280,15 @@ def test_gym_and_reward_model_configs_name_where_a_bad_key_came_from(tmp_path):
     (tmp_path / "rm.yaml").write_text(f"defaults: {examples / 'rm_math_tiny.yaml'}\n")
     with pytest.raises(ConfigError, match=r"\(command line\)"):
         load_rm_config(tmp_path / "rm.yaml", ["reward_model.train_global_batch_size=-1"])
+
+
+def test_a_gym_child_leaves_gae_by_turning_the_inherited_value_loss_off(tmp_path):
+    from nemo_like.gym.config import load_gym_config
+
+    ppo = Path(__file__).resolve().parents[2] / "examples" / "configs" / "ppo_cartpole.yaml"
+    (tmp_path / "grpo.yaml").write_text(f"defaults: {ppo}\ngrpo: {{advantage_estimator: mean_std}}\n"
+                                        "loss_fn: {vf_coef: null}\n")
+    cfg = load_gym_config(tmp_path / "grpo.yaml")  # was refused: an inherited vf_coef could not be removed
+    assert cfg.grpo.advantage_estimator == "mean_std" and "vf_coef" not in cfg.loss_fn
+    with pytest.raises(ConfigError, match=r"set loss_fn.vf_coef: null \(or leave it out\)"):
+        load_gym_config(ppo, ["grpo.advantage_estimator=mean_std"])

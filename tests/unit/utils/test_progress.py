@@ -47,3 +47,11 @@ def test_ray_workers_never_draw_library_bars():
     from nemo_like.distributed.ray_cluster import _runtime_env
 
     assert _runtime_env()["env_vars"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+def test_in_a_notebook_kernel_the_bar_is_drawn():
+    script = ("import sys, types; sys.modules['ipykernel'] = types.ModuleType('ipykernel')\n"
+              "from nemo_like.utils.progress import bar_wanted; print(bar_wanted())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "True"
