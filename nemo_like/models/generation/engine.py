@@ -26,6 +26,8 @@ import torch
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.interfaces import GenerationConfig
 from nemo_like.models.generation.prefix_cache import PrefixCache, cached_prefill_inputs
+from nemo_like.models.generation.sampling import sample as _sample
+from nemo_like.models.generation.sampling import sample_rows as _sample_rows
 from nemo_like.models.generation.slots import Slots
 
 # New prompts are admitted once this fraction of the slots is free (or the queue fits): each admission
@@ -118,28 +120,6 @@ def _stop_candidates(tokenizer, stops: set[str], vocab: int, device: torch.devic
     return table.to(device)
 
 
-def _sample(logits: torch.Tensor, greedy: bool, cfg: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens and their log-probs under the temperature-scaled distribution (what the training side
-    recomputes; top-p/top-k truncation is not renormalised in), as `hf_generate` defines them."""
-    logits = logits.float()
-    if greedy:
-        tok = logits.argmax(-1)
-        return tok, logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
-    scores = logits / cfg.temperature
-    logp = scores.log_softmax(-1)
-    # The same warpers, in the same order, as HF's sampling: top-k, then top-p (keeping at least one).
-    if cfg.top_k:
-        kth = torch.topk(scores, min(cfg.top_k, scores.shape[-1]))[0][:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - cfg.top_p
-        drop[:, -1] = False
-        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    tok = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
-
-
 def _append(buf: torch.Tensor, used: int, rows: torch.Tensor, fill: int) -> torch.Tensor:
     """``buf`` with ``rows`` written after its first ``used`` rows (a 2-D buffer as wide as the widest
     rows, the rest ``fill``). Spare rows take later appends: the buffer doubles when full, so a
@@ -198,6 +178,7 @@ class ContinuousBatcher:
         self._just_finished: list[torch.Tensor] = []
         self._modes: set[bool] = set()  # greedy and/or sampled requests so far (a shared engine mixes them)
         self._track = False  # a source wants to hear of finished requests
+        self._per_row = False  # some request asked for its own temperature or top-p
         if data is None:  # streaming: requests of any length up to the sequence limit come later
             B = 0
             self.max_budget = max(1, min(cfg.max_new_tokens, max_total_length - 1))
@@ -227,7 +208,9 @@ class ContinuousBatcher:
                      "gen_len": torch.zeros(0, dtype=torch.long, device=device),
                      "ended": torch.zeros(0, dtype=torch.bool, device=device),
                      "has_stop": torch.zeros(0, dtype=torch.bool, device=device),
-                     "greedy_req": torch.zeros(0, dtype=torch.bool, device=device)}
+                     "greedy_req": torch.zeros(0, dtype=torch.bool, device=device),
+                     "temp": torch.zeros(0, dtype=torch.float32, device=device),
+                     "topp": torch.zeros(0, dtype=torch.float32, device=device)}
         for name, buf in self._buf.items():
             setattr(self, name, buf)
         self.arange = torch.arange(max(self.columns, B, max_total_length) + 1, device=device)
@@ -235,14 +218,21 @@ class ContinuousBatcher:
             self.add(ids, lengths, per)
 
     def add(self, input_ids: torch.Tensor, lengths: torch.Tensor, stop_strings: list,
-            greedy: bool | None = None) -> list[int]:
+            greedy: bool | None = None, *, temperature: float | None = None, top_p: float | None = None,
+            max_new_tokens: int | None = None) -> list[int]:
         """Queue requests ([k, T] right padded, [k] lengths, k stop-string lists or None), decoded
-        greedily or sampled as ``greedy`` says (None: as the batcher was made); their ids."""
+        greedily or sampled as ``greedy`` says (None: as the batcher was made); their ids.
+        ``temperature``, ``top_p``, ``max_new_tokens``: these requests' own (None: the config's)."""
         k = len(lengths)
         greedy = self.greedy if greedy is None else bool(greedy)
         self._modes.add(greedy)
+        temp = self.cfg.temperature if temperature is None else float(temperature)
+        topp = self.cfg.top_p if top_p is None else float(top_p)
+        self._per_row |= (temp, topp) != (self.cfg.temperature, self.cfg.top_p)
         lengths = lengths.long().cpu()
         budgets = token_budgets(lengths, self.cfg, self.max_total_length).clamp(max=self.max_budget)
+        if max_new_tokens is not None:
+            budgets = budgets.clamp(max=max(1, int(max_new_tokens)))
         if self.pos_limit is not None:  # learned absolute positions: a row may not run past the table
             budgets = torch.minimum(budgets, (self.pos_limit - lengths).clamp(min=1))
         dev = self.device
@@ -256,7 +246,9 @@ class ContinuousBatcher:
                "gen_len": torch.zeros(k, dtype=torch.long, device=dev),
                "ended": torch.zeros(k, dtype=torch.bool, device=dev),
                "has_stop": torch.tensor([bool(s) for s in stops], dtype=torch.bool, device=dev),
-               "greedy_req": torch.full((k,), greedy, dtype=torch.bool, device=dev)}
+               "greedy_req": torch.full((k,), greedy, dtype=torch.bool, device=dev),
+               "temp": torch.full((k,), temp, dtype=torch.float32, device=dev),
+               "topp": torch.full((k,), topp, dtype=torch.float32, device=dev)}
         for name, rows in new.items():
             fill = self.pad_id if name in ("input_ids", "input_dev", "tokens") else 0
             self._buf[name] = _append(self._buf[name], self.count, rows, fill)
@@ -408,9 +400,12 @@ class ContinuousBatcher:
 
     def _pick(self, logits: torch.Tensor, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token: greedy or sampled, as its request asked."""
-        if len(self._modes) == 1:
+        if len(self._modes) == 1 and not (self._per_row and False in self._modes):
             return _sample(logits, next(iter(self._modes)), self.cfg)
-        tok, lp = _sample(logits, False, self.cfg)
+        if self._per_row:
+            tok, lp = _sample_rows(logits, self.temp[req], self.topp[req], self.cfg)
+        else:
+            tok, lp = _sample(logits, False, self.cfg)
         g_tok, g_lp = _sample(logits, True, self.cfg)
         g = self.greedy_req[req]
         return torch.where(g, g_tok, tok), torch.where(g, g_lp, lp)

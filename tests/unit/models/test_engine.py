@@ -243,3 +243,44 @@ def test_requests_added_one_at_a_time_grow_their_buffers_by_doubling(tiny):
     batcher.run()
     out = [batcher.result(i)[0] for i in range(40)]
     assert all(1 <= len(t) <= 4 for t in out)
+
+
+def test_per_request_temperature_top_p_and_budget_log_probs_are_recomputable(tiny):
+    """A server's requests with their own temperature, top-p and token budget in one batch: each
+    sampled token's log-prob is that of its own temperature-scaled softmax, and no request runs past
+    its budget."""
+    tok, model = tiny
+    data = _prompts(tok, G=1)
+    cfg = GenerationConfig(max_new_tokens=12)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        b = ContinuousBatcher(model, tok, None, cfg, greedy=False, max_total_length=128, slots=4, device=CPU)
+        asks = [(0.5, 1.0, 12), (1.7, 0.9, 5), (None, None, 8), (1.0, 0.5, 3)]
+        reqs = []
+        for i, (t, p, n) in enumerate(asks):
+            L = int(data["input_lengths"][i])
+            reqs += b.add(data["input_ids"][i:i + 1, :L], data["input_lengths"][i:i + 1], [None],
+                          temperature=t, top_p=p, max_new_tokens=n)
+        b.run(_Everything())
+    for (t, _, n), r in zip(asks, reqs):
+        toks, lps, _ = b.result(r)
+        assert 1 <= len(toks) <= n
+        L = int(data["input_lengths"][r])
+        ids = torch.cat([data["input_ids"][r, :L], toks])[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, L - 1:-1].float() / (t or 1.0)
+        want = logits.log_softmax(-1).gather(1, toks[:, None]).squeeze(1)
+        assert torch.allclose(lps, want, atol=1e-4)
+
+
+class _Everything:
+    """A request source with nothing more to add: the batcher decodes what it was given."""
+
+    def poll(self, batcher, block):
+        return None
+
+    def finished(self, batcher, requests):
+        return None
+
+    def exhausted(self):
+        return True
