@@ -38,8 +38,9 @@ from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
+from nemo_like.experience.agent_rollouts import AgentServer, is_agent_env, run_agent_rollout
 from nemo_like.experience.env_waves import EnvTimes
-from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
+from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_parts, run_split_rollout
 from nemo_like.experience.samples import sample_rows
 from nemo_like.models.generation.backends import backend_capabilities
 from nemo_like.utils.checkpoint import (
@@ -103,6 +104,8 @@ class GRPOTrainer:
     # The model names as given and the data files' digests (grpo_setup.run_identity): saved with each
     # checkpoint, so a run of another model or data in the same checkpoint_dir is never resumed.
     run_identity: dict[str, Any] | None = None
+    # The OpenAI-compatible server agent tasks' programs talk to (experience/agent_rollouts.py), if any.
+    agent_server: Any = None
 
     def __post_init__(self) -> None:
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures)
@@ -319,14 +322,41 @@ class GRPOTrainer:
         else:
             tokenizer = getattr(self._local, "tokenizer", None) or copy.deepcopy(self.tokenizer)
             self._local.tokenizer = tokenizer
-        batch, metrics = run_multi_turn_rollout(
-            generator or self.generator, batch, tokenizer, self.envs, max_turns=cfg.grpo.max_rollout_turns,
-            max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy, step_timeouts=limits,
-            step_concurrency=step_concurrency(task_envs), env_times=self.env_times)
+
+        def env_rollout(b: BatchedDataDict, tok: Any = tokenizer) -> tuple[BatchedDataDict, dict[str, float]]:
+            return run_multi_turn_rollout(
+                generator or self.generator, b, tok, self.envs, max_turns=cfg.grpo.max_rollout_turns,
+                max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy, step_timeouts=limits,
+                step_concurrency=step_concurrency(task_envs), env_times=self.env_times)
+
+        # Agent tasks (env.agent): their programs drive generation through the run's OpenAI server;
+        # the other tasks' samples roll out beside them, each part on its own thread and tokenizer.
+        agents = sorted(t for t, e in task_envs.items() if is_agent_env(e) and t in batch["task_name"])
+        if not agents:
+            batch, metrics = env_rollout(batch)
+        else:
+            server = self._agent_server()
+            parts = [[i for i, t in enumerate(batch["task_name"]) if t == a] for a in agents]
+            parts.append([i for i, t in enumerate(batch["task_name"]) if t not in agents])
+            runs = [lambda b, a=a: run_agent_rollout(server, self.envs[a], b, copy.deepcopy(tokenizer), greedy=greedy,
+                                                     max_seq_len=cfg.policy.max_total_sequence_length)
+                    for a in agents] + [lambda b: env_rollout(b, copy.deepcopy(tokenizer))]
+            batch, metrics = run_parts(batch, runs, parts)
         if with_rm and self.rm_scorer is not None:  # training samples (and ReMax's baseline), not validation
             batch, rm_metrics = self.rm_scorer.apply(batch)
             metrics |= rm_metrics
         return batch, metrics
+
+    def _agent_server(self) -> AgentServer:
+        """The run's OpenAI-compatible server for agent programs, started at the first agent rollout."""
+        if self.agent_server is None:
+            opts = next((o or {} for e, o in self.config.env.items() if is_agent_env(e)), {})
+            self.agent_server = AgentServer(self.generator, copy.deepcopy(self.tokenizer),
+                                            context_length=self.config.policy.max_total_sequence_length,
+                                            host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0),
+                                            version_fn=lambda: self.step_count)
+            self._resources.append(self.agent_server.close)
+        return self.agent_server
 
     def _async_runner(self) -> AsyncRolloutRunner | None:
         """The producer of grpo.async_rollouts, made at the first step (after any resume)."""

@@ -36,6 +36,7 @@ ENV_REGISTRY: Registry[type] = Registry("environment", check=_check_env_class, b
     "tool": "nemo_like.environments.tool_environment.ToolEnvironment",
     "reward_fn": "nemo_like.environments.reward_fn_environment.RewardFnEnvironment",
     "reasoning_gym": "nemo_like.environments.reasoning_gym_environment.ReasoningGymEnvironment",
+    "agent": "nemo_like.environments.agent_environment.AgentEnvironment",
 })
 
 

@@ -384,6 +384,15 @@ def run_split_rollout(batch: BatchedDataDict,
     for i in range(n):  # each sample to the part furthest below its share (Webster's rounding; ties: the first)
         j = min(range(k), key=lambda j: ((len(parts_idx[j]) + 0.5) / share[j], j))
         parts_idx[j].append(i)
+    return run_parts(batch, rollouts, parts_idx)
+
+
+def run_parts(batch: BatchedDataDict,
+              rollouts: list[Callable[[BatchedDataDict], tuple[BatchedDataDict, dict[str, float]]]],
+              parts_idx: list[list[int]]) -> tuple[BatchedDataDict, dict[str, float]]:
+    """``rollouts[j]`` on the samples ``parts_idx[j]`` of ``batch``, in threads at once, put back in
+    batch order (what ``run_split_rollout`` returns)."""
+    n = batch.size
     rollouts = [r for r, idx in zip(rollouts, parts_idx) if idx]
     parts_idx = [idx for idx in parts_idx if idx]
     with ThreadPoolExecutor(len(parts_idx), thread_name_prefix="split-rollout") as pool:
@@ -392,6 +401,8 @@ def run_split_rollout(batch: BatchedDataDict,
     back = torch.argsort(order)
     out = BatchedDataDict()
     for key, first in parts[0][0].items():
+        if not all(key in p for p, _ in parts):  # e.g. policy_version, where one generator reports none
+            continue
         values = [p[key] for p, _ in parts]
         if isinstance(first, torch.Tensor) and first.dim() == 1:
             out[key] = torch.cat(values)[back]
@@ -407,7 +418,7 @@ def run_split_rollout(batch: BatchedDataDict,
     for key in {k for _, m in parts for k in m if k.startswith("stream/")}:  # calls add up; waits overlap
         vals = [m[key] for _, m in parts if key in m]
         metrics[key] = sum(vals) if key.endswith("_calls") else max(vals)
-    for key in {k for _, m in parts for k in m if k.startswith("env/")}:
+    for key in {k for _, m in parts for k in m if k.startswith(("env/", "agent/"))}:
         have = [(m[key], len(idx)) for (_, m), idx in zip(parts, parts_idx) if key in m]
         metrics[key] = (sum(v for v, _ in have) if _is_counter(key)
                         else sum(v * w for v, w in have) / sum(w for _, w in have))

@@ -150,6 +150,8 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
             else:
                 prompt_ids, extends = list(tok(text, add_special_tokens=False)["input_ids"]), False
             params = _params(req, len(prompt_ids), req.token_limit())
+            if session is not None and session.greedy:
+                params.temperature = 0.0
             gen = await engine.generate(prompt_ids, params)
             out_text = _text(gen.token_ids, params.stop, gen.finish_reason)
             offered = bool(req.tools) and req.tool_choice != "none"

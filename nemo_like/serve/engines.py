@@ -169,12 +169,13 @@ class LocalEngine(_EngineBase):
 
 
 class BatchingEngine(_EngineBase):
-    """``generate_fn(BatchedDataDict(input_ids, input_lengths, stop_strings)) -> outputs`` (the
-    ``GenerationInterface`` contract) over batches of the requests queued while the last one ran.
+    """``generate_fn(BatchedDataDict(input_ids, input_lengths, stop_strings), greedy) -> outputs`` (the
+    ``GenerationInterface`` contract) over batches of the requests queued while the last one ran
+    (greedy requests, temperature 0, in a batch of their own).
     A request's ``max_tokens`` below the generator's own limit keeps only that many sampled tokens;
     its temperature and top-p are the generator's (recorded as such)."""
 
-    def __init__(self, generate_fn: Callable[[BatchedDataDict], BatchedDataDict], tokenizer: Any, *,
+    def __init__(self, generate_fn: Callable[[BatchedDataDict, bool], BatchedDataDict], tokenizer: Any, *,
                  context_length: int, max_batch: int = 256, version_fn: Callable[[], int] = lambda: 0):
         super().__init__()
         self.generate_fn, self.tokenizer, self.context_length = generate_fn, tokenizer, context_length
@@ -190,13 +191,16 @@ class BatchingEngine(_EngineBase):
             if not pending:
                 continue
             batch, carry = pending[: self.max_batch], pending[self.max_batch:]
-            try:
-                self._run(batch)
-            except Exception as e:
-                for p in batch:
-                    p.resolve(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+            for greedy in (False, True):
+                part = [p for p in batch if p.params.greedy == greedy]
+                try:
+                    if part:
+                        self._run(part, greedy)
+                except Exception as e:
+                    for p in part:
+                        p.resolve(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
 
-    def _run(self, batch: list[_Pending]) -> None:
+    def _run(self, batch: list[_Pending], greedy: bool) -> None:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         width = max(len(p.ids) for p in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -205,7 +209,7 @@ class BatchingEngine(_EngineBase):
         data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(p.ids) for p in batch]))
         if any(p.params.stop for p in batch):
             data["stop_strings"] = [p.params.stop or None for p in batch]
-        out = self.generate_fn(data)
+        out = self.generate_fn(data, greedy)
         self.batches, self.requests = self.batches + 1, self.requests + len(batch)
         version = int(self.version_fn())
         for i, p in enumerate(batch):

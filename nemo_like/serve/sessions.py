@@ -47,6 +47,7 @@ class Session:
     id: str
     key: str
     tag: Any = None  # the caller's (e.g. the episode's row index)
+    greedy: bool = False  # every request decodes greedily (validation episodes)
     turns: list[Turn] = field(default_factory=list)
     prefix_breaks: int = 0
     malformed_tool_calls: int = 0

@@ -1,0 +1,177 @@
+"""Agent programs as environments: code written only against an OpenAI client, trained unchanged.
+
+``env.agent.fn: "my_pkg.agent:solve"`` names ``async def solve(client: openai.AsyncOpenAI, row: dict)``
+returning the episode's reward (a number, or a dict with ``reward`` and more metrics).
+``env.agent.command: [...]`` runs a program in any language once per episode with
+``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``OPENAI_MODEL`` set and the row as JSON on its stdin
+(and in the file ``$NEMO_LIKE_ROW``); its reward is the last line of its standard output (a number,
+or ``{"reward": x}``), or what it posted to ``$OPENAI_BASE_URL/nemo_like/reward``.
+
+The environment is a Ray actor like every other grader (it can run on any node); ``run_episodes``
+runs a batch of episodes concurrently (at most ``max_concurrency`` at once), each with its own
+session key, so the server records each episode's tokens apart. The trainer builds the training
+samples from those records (``experience.agent_rollouts``), not from anything the program says.
+A program that raises, exits non-zero or runs past ``episode_timeout_s`` leaves its episode
+unscorable and counted; it never ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from nemo_like.environments.env_config import EnvConfig
+from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.utils.registry import import_from_path
+
+__all__ = ["AgentEnvConfig", "AgentEnvironment", "episode_result"]
+
+
+class AgentEnvConfig(EnvConfig):
+    # "pkg.module:solve": an async function (client: openai.AsyncOpenAI, row: dict) -> float | dict.
+    fn: str | None = None
+    # A program run once per episode (argv list); reads the row as JSON on stdin.
+    command: list[str] | None = Field(default=None, min_length=1)
+    # Episodes run at once by this environment (each makes its own requests; the server batches them).
+    max_concurrency: int = Field(64, gt=0)
+    # Past this an episode is stopped (a command's process group is killed) and left unscorable.
+    episode_timeout_s: float = Field(300.0, gt=0)
+    # Where the trainer's OpenAI-compatible server listens (127.0.0.1: this machine; a node's address
+    # for agents on other nodes, with a warning); 0: a free port.
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    # Tokens one request may generate at most (None: up to policy.generation.max_new_tokens).
+    max_tokens: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_program(self) -> AgentEnvConfig:
+        if (self.fn is None) == (self.command is None):
+            raise ValueError("give exactly one of fn (an async function 'pkg.module:solve') or command "
+                             "(a program as a list of arguments)")
+        if self.fn is not None:
+            try:
+                fn = import_from_path(self.fn, what="agent function")
+            except (ImportError, ValueError) as e:
+                raise ValueError(f"fn: {e}") from None
+            if not asyncio.iscoroutinefunction(fn):
+                raise ValueError(f"fn: {self.fn!r} is not an async function (async def solve(client, row))")
+        return self
+
+
+def episode_result(value: Any) -> tuple[float | None, dict[str, float], str | None]:
+    """An agent's return value as (reward, metrics, error): a number, or a dict with ``reward``."""
+    metrics: dict[str, float] = {}
+    if isinstance(value, dict):
+        metrics = {str(k): float(v) for k, v in value.items()
+                   if k != "reward" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        value = value.get("reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, metrics, f"the agent returned {type(value).__name__}, not a number (or {{'reward': x}})"
+    if not math.isfinite(float(value)):
+        return None, metrics, f"the agent returned a reward of {value}"
+    return float(value), metrics, None
+
+
+class AgentEnvironment(EnvironmentInterface):
+    """Runs agent episodes against the trainer's server (see the module doc)."""
+
+    config_model: ClassVar[type[EnvConfig]] = AgentEnvConfig
+    is_agent: ClassVar[bool] = True
+
+    def __init__(self, config: dict[str, Any] | None = None):
+        self.cfg = AgentEnvConfig.model_validate({k: v for k, v in (config or {}).items() if k != "step_timeout_s"})
+        self.fn = import_from_path(self.cfg.fn, what="agent function") if self.cfg.fn else None
+
+    def step(self, message_log_batch: Any, metadata: Any) -> EnvironmentReturn:
+        """Agent tasks are run by ``run_episodes``; a message log handed here is graded 0 and ended."""
+        import torch
+
+        n = len(list(message_log_batch))
+        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, [None] * n, [None] * n,
+                                 torch.zeros(n), torch.ones(n, dtype=torch.bool), {"num_not_episodes": float(n)})
+
+    async def run_episodes(self, rows: list[dict], base_url: str, keys: list[str], model: str) -> list[dict]:
+        """One episode per (row, key): ``{"reward", "metrics", "error", "timed_out", "seconds"}`` each."""
+        gate = asyncio.Semaphore(self.cfg.max_concurrency)
+
+        async def one(row: dict, key: str) -> dict:
+            async with gate:
+                t0 = time.monotonic()
+                out = await (self._call_fn(row, base_url, key) if self.fn else
+                             self._run_command(row, base_url, key, model))
+                return out | {"seconds": time.monotonic() - t0}
+        return await asyncio.gather(*[one(r, k) for r, k in zip(rows, keys)])
+
+    async def _call_fn(self, row: dict, base_url: str, key: str) -> dict:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0,
+                                    timeout=self.cfg.episode_timeout_s)
+        try:
+            value = await asyncio.wait_for(self.fn(client, dict(row)), self.cfg.episode_timeout_s)
+        except TimeoutError:
+            return {"reward": None, "metrics": {}, "timed_out": True,
+                    "error": f"the episode ran past env.agent.episode_timeout_s={self.cfg.episode_timeout_s}"}
+        except Exception as e:
+            where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+            at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
+            return {"reward": None, "metrics": {}, "timed_out": False, "error": f"{type(e).__name__}{at}: {e}"[:500]}
+        finally:
+            await client.close()
+        reward, metrics, error = episode_result(value)
+        return {"reward": reward, "metrics": metrics, "timed_out": False, "error": error}
+
+    async def _run_command(self, row: dict, base_url: str, key: str, model: str) -> dict:
+        data = json.dumps(row, default=str).encode()
+        with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
+            f.write(data)
+        env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "OPENAI_MODEL": model,
+                            "NEMO_LIKE_ROW": f.name}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.cfg.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+        except OSError as e:
+            os.unlink(f.name)
+            return {"reward": None, "metrics": {}, "timed_out": False,
+                    "error": f"env.agent.command {self.cfg.command[0]!r} cannot start: {e.strerror or e}"}
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(data), self.cfg.episode_timeout_s)
+        except TimeoutError:
+            _kill_group(proc.pid)
+            await proc.wait()
+            return {"reward": None, "metrics": {}, "timed_out": True,
+                    "error": f"the program ran past env.agent.episode_timeout_s={self.cfg.episode_timeout_s}"}
+        finally:
+            os.unlink(f.name)
+            _kill_group(proc.pid)  # children it left behind
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            return {"reward": None, "metrics": {}, "timed_out": False,
+                    "error": f"the program exited with {proc.returncode}: {tail[0][:300]}"}
+        lines = [ln for ln in out.decode(errors="replace").strip().splitlines() if ln.strip()]
+        if not lines:
+            return {"reward": None, "metrics": {}, "timed_out": False, "error": None, "posted": True}
+        try:
+            value = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            return {"reward": None, "metrics": {}, "timed_out": False,
+                    "error": f"the program's last output line is not a number or JSON: {lines[-1][:200]!r}"}
+        reward, metrics, error = episode_result(value)
+        return {"reward": reward, "metrics": metrics, "timed_out": False, "error": error}
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,141 @@
+"""Rollouts of agent tasks: the agent programs talk to the trainer's OpenAI-compatible server, and the
+training samples are built from what the server recorded (``serve.sessions``), token for token.
+
+:class:`AgentServer` is the trainer's server: a :class:`~nemo_like.serve.engines.BatchingEngine` over
+the run's generator (the policy, or its rollout group), so every request an agent makes is sampled
+by the weights being trained, with the trainer's sampling settings, batched with the other agents'
+requests. :func:`run_agent_rollout` runs one batch of episodes and returns the rollout contract of
+``run_multi_turn_rollout`` (``message_log``, ``total_reward``, ``num_turns``...).
+
+An episode whose program failed, timed out or made no request is unscorable (NaN reward, counted in
+``agent/failed`` / ``agent/timeouts``); the run goes on. When the program rewrote its history the
+episode has several samples (``agent/prefix_breaks``); this trainer keeps one row per episode, the
+last run of joined turns, and counts the turns left out in ``agent/turns_dropped``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import ray
+import torch
+
+from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.environments.registry import get_env_class
+from nemo_like.serve.engines import BatchingEngine
+from nemo_like.serve.server import ServerHandle, start_server
+
+SERVED_NAME = "policy"
+
+
+def is_agent_env(env_name: str) -> bool:
+    """Whether the environment registered as ``env_name`` runs agent programs (``run_episodes``)."""
+    try:
+        return bool(getattr(get_env_class(env_name), "is_agent", False))
+    except (KeyError, ImportError):
+        return False
+
+
+class AgentServer:
+    """The trainer's server over ``generator`` (``GenerationInterface``), started once per run."""
+
+    def __init__(self, generator: Any, tokenizer: Any, *, context_length: int, host: str = "127.0.0.1",
+                 port: int = 0, version_fn: Any = lambda: 0):
+        self.generator = generator
+        self.engine = BatchingEngine(lambda data, greedy: self.generator.generate(data, greedy=greedy), tokenizer,
+                                     context_length=context_length, version_fn=version_fn)
+        try:
+            self.handle: ServerHandle = start_server(self.engine, model_name=SERVED_NAME, host=host, port=port,
+                                                     fixed_sampling=True, key="env.agent.port")
+        except Exception:
+            self.engine.close()
+            raise
+
+    def close(self) -> None:
+        self.handle.stop()
+        self.engine.close()
+
+
+def agent_row(batch: BatchedDataDict, i: int) -> dict[str, Any]:
+    """What an agent program gets for sample i: the dataset row's columns (``problem``,
+    ``ground_truth``...; the program may score itself with them), ``messages`` (the problem as one
+    user message, or the row's conversation) and ``task_name``. The program owns its prompts: the
+    task's system prompt and prompt format are not applied."""
+    info = dict(batch["extra_env_info"][i] or {})
+    problem = info.get("problem")
+    if isinstance(problem, list):
+        messages = [{"role": m.get("role"), "content": m.get("content")} for m in problem if isinstance(m, dict)]
+    else:
+        messages = [{"role": "user", "content": "" if problem is None else str(problem)}]
+    return info | {"messages": messages, "task_name": batch["task_name"][i]}
+
+
+def run_agent_rollout(server: AgentServer, actor: Any, batch: BatchedDataDict, tokenizer: Any, *, greedy: bool,
+                      max_seq_len: int) -> tuple[BatchedDataDict, dict[str, float]]:
+    """One episode per sample of ``batch`` by the agent environment ``actor``; the rollout contract."""
+    n = batch.size
+    sessions = []
+    for i in range(n):
+        s = server.handle.sessions.open(tag=i)
+        s.greedy = greedy
+        sessions.append(s)
+    t0 = time.perf_counter()
+    try:
+        results = ray.get(actor.run_episodes.remote([agent_row(batch, i) for i in range(n)], server.handle.base_url,
+                                                     [s.key for s in sessions], SERVED_NAME))
+    except Exception as e:  # the actor died (and its retries): every episode unscorable, the run goes on
+        results = [{"reward": None, "metrics": {}, "timed_out": False,
+                    "error": f"the agent environment failed: {type(e).__name__}: {str(e)[:300]}"}] * n
+    wall = time.perf_counter() - t0
+    for s in sessions:
+        server.handle.sessions.end(s)
+
+    logs, rewards, errors = [], torch.zeros(n), [None] * n
+    turns, gen_len = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    counts = {"agent/failed": 0.0, "agent/timeouts": 0.0, "agent/prefix_breaks": 0.0, "agent/turns_dropped": 0.0,
+              "agent/requests": 0.0, "agent/malformed_tool_calls": 0.0}
+    extra: dict[str, list[float]] = {}
+    for i, (s, res) in enumerate(zip(sessions, results)):
+        reward, error = res.get("reward"), res.get("error")
+        if reward is None and error is None:  # a command that printed nothing: the reward it posted
+            reward = s.reward
+            error = None if reward is not None else "the program printed no reward and posted none"
+        samples = s.samples(tokenizer)
+        if not samples and error is None:
+            error = "the agent made no request to the server"
+        counts["agent/timeouts"] += float(bool(res.get("timed_out")))
+        counts["agent/prefix_breaks"] += s.prefix_breaks
+        counts["agent/requests"] += len(s.turns)
+        counts["agent/malformed_tool_calls"] += s.malformed_tool_calls
+        for k, v in (res.get("metrics") or {}).items():
+            extra.setdefault(f"agent/{k}", []).append(v)
+        if samples:
+            log = samples[-1]
+            counts["agent/turns_dropped"] += sum(1 for lg in samples[:-1] for m in lg if m["role"] == "assistant")
+        else:  # the prompt alone: nothing to train, the row is unscorable
+            log = [dict(m) for m in batch["message_log"][i]]
+        if error is not None:
+            counts["agent/failed"] += 1
+            reward = math.nan
+        logs.append(log)
+        rewards[i], errors[i] = float(reward), error
+        assistant = [m for m in log if m["role"] == "assistant"]
+        turns[i] = len(assistant)
+        gen_len[i] = sum(len(m["token_ids"]) for m in assistant)
+        last = [t for t in s.turns if t.sampled_ids]
+        truncated[i] = bool(last) and (last[-1].finish_reason == "length" or
+                                       len(last[-1].prompt_ids) + len(last[-1].sampled_ids) >= max_seq_len)
+    out = BatchedDataDict(batch)
+    out["message_log"], out["total_reward"], out["grading_error"] = logs, rewards, errors
+    out["truncated"], out["generation_lengths"], out["num_turns"] = truncated, gen_len, turns
+    out["policy_version"] = torch.tensor(
+        [min([int(m["policy_version"]) for m in lg if m["role"] == "assistant"] or [0]) for lg in logs])
+    metrics = {"response_length_mean": float(gen_len.float().mean()) if n else 0.0,
+               "truncation_rate": float(truncated.float().mean()) if n else 0.0,
+               "turns_per_sample": float(turns.float().mean()) if n else 0.0,
+               "unterminated_rate": 0.0, "generation_s": wall} | counts
+    metrics |= {k: sum(v) / len(v) for k, v in extra.items()}
+    return out, metrics

@@ -1,0 +1,68 @@
+"""GRPO on an agent program: the program talks to the run's OpenAI-compatible server, the server
+records the sampled tokens, and the trainer trains on exactly those (the sampler's and the trainer's
+log-probs agree), with failing and hanging episodes counted, never fatal."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from nemo_like.algorithms.grpo import grpo_train
+from nemo_like.algorithms.grpo_run import setup
+from nemo_like.config import load_config
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
+
+
+def _config(tmp_path, cache, *extra):
+    return load_config(CONFIG, [
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.dynamic_sampling.enabled=false",
+        "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.max_val_samples=8",
+        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
+        "policy.logprob_batch_size=16", "policy.generation_batch_size=16",
+        "cluster.num_workers=2", "cluster.cpus_per_worker=1",
+        "data.train.generator.num_samples=200", "data.validation.generator.num_samples=16",
+        "data.train.env_name=agent", "data.validation.env_name=agent",
+        "bootstrap.model.hidden_size=32", "bootstrap.model.num_layers=1",
+        "bootstrap.sft.num_steps=5", "bootstrap.sft.batch_size=16", "bootstrap.sft.micro_batch_size=16",
+        f"bootstrap.cache_dir={cache}",
+        f"logger.log_dir={tmp_path / 'logs'}", "logger.tensorboard_enabled=false",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "checkpointing.enabled=false",
+        *extra,
+    ])
+
+
+def test_grpo_trains_an_agent_program_on_the_tokens_it_was_served(ray_session, tmp_path, base_model_cache):
+    cfg = _config(tmp_path, base_model_cache, "env.agent.fn=_nl_agent_helpers:two_turns",
+                  "env.agent.episode_timeout_s=5")
+    trainer = setup(cfg)
+    try:
+        results = grpo_train(trainer)
+        assert trainer.step_count == 2
+        batch = trainer.last_batch
+        for m in results:
+            # Recomputed by the trainer on the recorded tokens, the sampler's log-probs agree.
+            assert abs(m["train/token_mult_prob_error"] - 1.0) < 0.01
+            assert m["train/agent/requests"] > 0
+        rows = range(len(batch["message_log"]))
+        truths = [int(batch["extra_env_info"][i]["ground_truth"]) for i in rows]
+        rewards = batch["total_reward"].tolist()
+        for i, n in zip(rows, truths):
+            log = batch["message_log"][i]
+            if n % 5 == 1 or n % 7 == 2:  # failed or timed out: unscorable, the run went on
+                assert math.isnan(rewards[i]) and batch["grading_error"][i]
+                continue
+            assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant"]
+            assert rewards[i] in (0.0, 1.0)
+            # The second prompt holds the first reply's sampled ids, then the follow-up's tokens.
+            for m in log:
+                assert m["token_ids"].dtype == torch.long
+            assert len(log[1]["generation_logprobs"]) == len(log[1]["token_ids"])
+        last = results[-1]
+        assert last["train/agent/failed"] == sum(n % 5 == 1 or n % 7 == 2 for n in truths)
+        assert last["train/agent/timeouts"] == sum(n % 7 == 2 and n % 5 != 1 for n in truths)
+        assert "val/accuracy" in last
+    finally:
+        trainer.close()
