@@ -49,8 +49,9 @@ class AgentEnvConfig(EnvConfig):
     # for agents on other nodes, with a warning); 0: a free port.
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
-    # Tokens one request may generate at most (None: up to policy.generation.max_new_tokens).
-    max_tokens: int | None = Field(None, gt=0)
+    # A step in which more than this fraction of the task's episodes failed counts towards
+    # grpo.max_consecutive_env_failures (the run stops with one line saying why).
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
 
     @model_validator(mode="after")
     def _one_program(self) -> AgentEnvConfig:

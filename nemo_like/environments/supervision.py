@@ -60,31 +60,42 @@ def wait_for_env_actors(actors: dict[str, Any], env_names: dict[str, str], *,
 
 class FailureWatch:
     """Counts, per task, the training steps in a row in which grading failed for every sample (the
-    environment raised, timed out or died); past ``max_consecutive`` it raises
+    environment raised, timed out or died), or for more than ``fractions[task]`` of them where a task
+    has one (an agent task: ``env.agent.max_failed_fraction``); past ``max_consecutive`` it raises
     :class:`EnvironmentFailureError` naming the task and the first error. 0 disables the stop."""
 
-    def __init__(self, max_consecutive: int) -> None:
+    def __init__(self, max_consecutive: int, fractions: dict[str, float] | None = None) -> None:
         self.max_consecutive = max_consecutive
+        self.fractions = dict(fractions or {})
         self.streak: dict[str, int] = {}
         self.first_error: dict[str, str] = {}
+        self.last_count: dict[str, tuple[int, int]] = {}
 
     def observe(self, task_names: Sequence[str], grading_errors: Sequence[str | None]) -> None:
         by_task: dict[str, list[str | None]] = {}
         for task, err in zip(task_names, grading_errors):
             by_task.setdefault(task, []).append(err)
         for task, errs in by_task.items():
-            if errs and all(e is not None for e in errs):
+            failed = [e for e in errs if e is not None]
+            limit = self.fractions.get(task)
+            if errs and (len(failed) == len(errs) if limit is None else len(failed) > limit * len(errs)):
                 self.streak[task] = self.streak.get(task, 0) + 1
-                self.first_error.setdefault(task, str(errs[0]))
+                self.first_error.setdefault(task, str(failed[0]))
+                self.last_count[task] = (len(failed), len(errs))
             else:
                 self.streak.pop(task, None)
                 self.first_error.pop(task, None)
         for task, n in self.streak.items():
             if self.max_consecutive and n >= self.max_consecutive:
+                if task in self.fractions:
+                    k, m = self.last_count[task]
+                    what = (f"more than {self.fractions[task]:g} of the episodes failed ({k} of {m} in the last) in "
+                            f"{n} consecutive steps (env.agent.max_failed_fraction)")
+                else:
+                    what = f"grading failed for every sample in {n} consecutive steps"
                 raise EnvironmentFailureError(
-                    f"task {task!r}: grading failed for every sample in {n} consecutive steps "
-                    f"(grpo.max_consecutive_env_failures={self.max_consecutive}); first error: "
-                    f"{self.first_error[task]}")
+                    f"task {task!r}: {what} (grpo.max_consecutive_env_failures={self.max_consecutive}); "
+                    f"first error: {self.first_error[task]}")
 
 
 def step_timeouts(env_options: dict[str, dict[str, Any]], task_envs: dict[str, str],

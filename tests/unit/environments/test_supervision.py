@@ -44,6 +44,17 @@ def test_failure_watch_needs_every_sample_of_a_task_to_fail_in_consecutive_steps
         never.observe(["t"], ["down"])
 
 
+def test_failure_watch_stops_an_agent_task_where_most_episodes_fail():
+    watch = FailureWatch(2, {"agent": 0.5})
+    tasks = ["agent"] * 4 + ["math"] * 2
+    watch.observe(tasks, ["e1", "e1", None, None, None, "m"])  # agent: half failed, not more: no streak
+    watch.observe(tasks, ["e2", "e2", "e2", None, "m", None])  # 3 of 4
+    with pytest.raises(EnvironmentFailureError, match=r"^task 'agent': more than 0.5 of the episodes failed "
+                       r"\(3 of 4 in the last\) in 2 consecutive steps \(env.agent.max_failed_fraction\) "
+                       r"\(grpo.max_consecutive_env_failures=2\); first error: e2$"):
+        watch.observe(tasks, ["e3", None, "e3", "e3", None, "m"])
+
+
 
 def test_step_timeouts_per_environment_or_the_global_default():
     limits = step_timeouts({"code": {"step_timeout_s": 5}, "math": {}}, {"py": "code", "arith": "math"}, 600.0)

@@ -182,3 +182,25 @@ def test_a_port_in_use_is_one_clear_error(server):
         port = busy.getsockname()[1]
         with pytest.raises(ServeError, match=f"port {port} .* already in use"):
             start_server(server.engine, model_name=MODEL, port=port)
+
+
+def test_a_reply_sampled_in_pieces_is_never_retokenized(tmp_path):
+    """The model spelled "<tool_call>" character by character, where tokenizing the text gives one
+    token: the next prompt keeps the spelled-out ids (what was sampled and will be trained)."""
+    from nemo_like.data.chat_templates import CHATML_TEMPLATE
+    from nemo_like.serve.sessions import Session, Turn
+
+    tok = build_char_tokenizer(tmp_path, extra_tokens=["<tool_call>"])
+    tok.chat_template = CHATML_TEMPLATE
+    first = [{"role": "user", "content": "go"}]
+    text = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    s = Session(id="s", key="k")
+    prompt, extends = s.prompt_ids(text, tok)
+    sampled = [tok.convert_tokens_to_ids(c) for c in "<tool_call>x"] + [tok.eos_token_id]
+    assert tok("<tool_call>x", add_special_tokens=False)["input_ids"] != sampled[:-1]  # one token, re-tokenized
+    s.record(Turn(prompt, sampled, [-1.0] * len(sampled), 0, "stop", "<tool_call>x", extends))
+    second = first + [{"role": "assistant", "content": "<tool_call>x"}, {"role": "tool", "content": "1"}]
+    text2 = tok.apply_chat_template(second, tokenize=False, add_generation_prompt=True)
+    ids, extends = s.prompt_ids(text2, tok)
+    assert extends and ids[: len(prompt) + len(sampled)] == prompt + sampled
+    assert tok.decode(ids, skip_special_tokens=False) == text2

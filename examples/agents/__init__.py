@@ -1,0 +1,1 @@
+"""Agent programs for examples/run_grpo_agent.py (env.agent.fn: examples.agents.<module>:<function>)."""
