@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import os
 
-import torch
-
 from nemo_like.algorithms.grpo import grpo_train
 from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
