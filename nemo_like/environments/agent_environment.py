@@ -45,9 +45,10 @@ class AgentEnvConfig(EnvConfig):
     max_concurrency: int = Field(64, gt=0)
     # Past this an episode is stopped (a command's process group is killed) and left unscorable.
     episode_timeout_s: float = Field(300.0, gt=0)
-    # Where the trainer's OpenAI-compatible server listens (127.0.0.1: this machine; a node's address
-    # for agents on other nodes, with a warning); 0: a free port.
+    # Where the trainer's OpenAI-compatible server listens: 127.0.0.1 (this machine), or a node's
+    # address for agents on other nodes (a warning is printed).
     host: str = "127.0.0.1"
+    # Its port; 0: a free one. A port already taken stops the run before training, in one line.
     port: int = Field(0, ge=0, le=65535)
     # A step in which more than this fraction of the task's episodes failed counts towards
     # grpo.max_consecutive_env_failures (the run stops with one line saying why).

@@ -204,3 +204,35 @@ def test_a_reply_sampled_in_pieces_is_never_retokenized(tmp_path):
     ids, extends = s.prompt_ids(text2, tok)
     assert extends and ids[: len(prompt) + len(sampled)] == prompt + sampled
     assert tok.decode(ids, skip_special_tokens=False) == text2
+
+
+def test_the_serve_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, capsys):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    tok = build_char_tokenizer(tmp_path)
+    build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256, seed=0,
+                     save_dir=tmp_path)
+    cmd = [sys.executable, "-m", "nemo_like.serve", "--model", str(tmp_path), "--port", "0", "--api-key", "sk-test",
+           "--served-model-name", "mine"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"at (http://127\.0\.0\.1:\d+/v1) \(context 256 tokens\)", line).group(1)
+        assert proc.stdout.readline().strip() == "[nemo_like] api key: sk-test"
+        c = openai.OpenAI(base_url=url, api_key="sk-test", max_retries=0)
+        r = c.chat.completions.create(model="mine", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.usage.completion_tokens <= 3
+        # The port is taken now: a second server says so in one line and exits 2.
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        from nemo_like.serve.__main__ import main
+
+        assert main(["--model", str(tmp_path), "--port", port]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: --port={port}: port {port} on 127.0.0.1 is already in use; pick another port or 0 for a free one")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "stopping" in out
