@@ -236,3 +236,29 @@ def test_the_serve_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, c
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "stopping" in out
+
+
+def test_hostile_requests_never_get_a_500_and_the_server_keeps_answering(server):
+    import importlib.util
+    import random
+    from collections import Counter
+    from pathlib import Path
+
+    # The benchmark's fuzz (1,000 requests there), a smaller draw here.
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_agent_endpoint.py"
+    spec = importlib.util.spec_from_file_location("bench_agent_endpoint", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    ended = server.sessions.open()
+    server.sessions.end(ended)
+    statuses = Counter()
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for method, path, headers, body in bench.hostile_requests(100, server.api_key, ended.key, random.Random(1)):
+            r = c.request(method, path, headers=headers, content=body)
+            statuses[r.status_code] += 1
+            assert r.status_code < 500, (path, body[:200], r.text)
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert {400, 401, 404, 410, 413} <= set(statuses)
+    assert ask(client(server), max_tokens=2).choices[0].finish_reason in ("stop", "length")
