@@ -176,10 +176,11 @@ class BatchingEngine(_EngineBase):
     its temperature and top-p are the generator's (recorded as such)."""
 
     def __init__(self, generate_fn: Callable[[BatchedDataDict, bool], BatchedDataDict], tokenizer: Any, *,
-                 context_length: int, max_batch: int = 256, version_fn: Callable[[], int] = lambda: 0):
+                 context_length: int, max_batch: int = 256, version_fn: Callable[[], int] = lambda: 0,
+                 gather_s: float = 0.05):
         super().__init__()
         self.generate_fn, self.tokenizer, self.context_length = generate_fn, tokenizer, context_length
-        self.max_batch, self.version_fn = max_batch, version_fn
+        self.max_batch, self.version_fn, self.gather_s = max_batch, version_fn, gather_s
         self.batches = 0  # generate calls made (how well requests batched: requests / batches)
         self.requests = 0
         self._start("nemo-like-serve-batcher")
@@ -190,6 +191,17 @@ class BatchingEngine(_EngineBase):
             pending = carry + self._drain(block=not carry)
             if not pending:
                 continue
+            # Episodes send their turns over a few milliseconds (HTTP, the programs' own work): wait
+            # until none came for gather_s, so that they generate as one batch rather than the first
+            # few alone and the rest one generate call later.
+            while len(pending) < self.max_batch and not self._closed.is_set():
+                try:
+                    item = self._queue.get(timeout=self.gather_s)
+                except queue.Empty:
+                    break
+                if item is None:
+                    break
+                pending.append(item)
             batch, carry = pending[: self.max_batch], pending[self.max_batch:]
             for greedy in (False, True):
                 part = [p for p in batch if p.params.greedy == greedy]

@@ -1,6 +1,6 @@
 """Every Ray worker and actor imports ray: a dependency that makes ``import ray`` slow slows every
 actor start of every run. JupyterLab's jsonschema format extra did (rfc3987-syntax builds a grammar on
-import, 1.4-3.9 s here, the suite 1.5x slower); it is kept out of the environment."""
+import: `import ray` took 1.92 s against 0.55 s, and the suite ran 1.5x slower); it stays out."""
 
 from __future__ import annotations
 
