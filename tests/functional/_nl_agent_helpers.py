@@ -15,7 +15,7 @@ async def two_turns(client, row):
     if k % 6 == 5:
         raise ValueError("this agent fails on purpose")
     if k % 9 == 4:
-        await asyncio.sleep(60)
+        await asyncio.sleep(30)
     messages = list(row["messages"])
     r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "="}]
