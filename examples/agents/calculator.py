@@ -35,8 +35,9 @@ async def solve(client, row, max_turns: int = 3) -> dict:
     """One episode: up to ``max_turns`` model turns; reward 1 for the right answer, else 0."""
     messages = list(row["messages"])
     for turn in range(max_turns):
-        reply = await client.chat.completions.create(model="policy", messages=messages, stop=["</tool_call>"],
-                                                     max_tokens=56)
+        # No max_tokens: the server's limit (the run's policy.generation.max_new_tokens, and the context)
+        # applies; a request whose prompt plus max_tokens passed the context would be refused (400).
+        reply = await client.chat.completions.create(model="policy", messages=messages, stop=["</tool_call>"])
         choice = reply.choices[0]
         text = choice.message.content or ""
         if choice.finish_reason == "stop" and "<tool_call>" in text:  # stopped right after a call

@@ -36,5 +36,8 @@ def sample_rows(batch: Any, limit: int | None = None) -> list[dict[str, Any]]:
             row["advantage"] = float(adv)
         row |= {"ground_truth": info.get("ground_truth"), "turns": int(batch["num_turns"][i]),
                 "truncated": bool(batch["truncated"][i])}
+        error = batch["grading_error"][i] if "grading_error" in batch else None
+        if error is not None:  # why an unscorable sample has no reward (a grader's or an agent's failure)
+            row["error"] = str(error)
         rows.append(row)
     return rows

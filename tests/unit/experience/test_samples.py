@@ -18,7 +18,7 @@ def _batch() -> BatchedDataDict:
     return BatchedDataDict(message_log=logs, task_name=["math", "tool"],
                            extra_env_info=[{"problem": "1+2=", "ground_truth": "3"}, None],
                            total_reward=torch.tensor([1.0, math.nan]), num_turns=torch.tensor([1, 2]),
-                           truncated=torch.tensor([False, True]))
+                           truncated=torch.tensor([False, True]), grading_error=[None, "grader timed out"])
 
 
 def test_rows_split_prompt_and_completion_and_mark_other_roles():
@@ -27,6 +27,7 @@ def test_rows_split_prompt_and_completion_and_mark_other_roles():
                        "ground_truth": "3", "turns": 1, "truncated": False}
     assert rows[1]["prompt"] == "call a tool" and rows[1]["completion"] == "<call>\n[tool] 42\n42"
     assert rows[1]["reward"] is None and rows[1]["problem"] is None and rows[1]["truncated"] is True
+    assert rows[1]["error"] == "grader timed out"  # why it has no reward
     assert len(sample_rows(_batch(), limit=1)) == 1 and len(sample_rows(_batch(), limit=5)) == 2
 
 
