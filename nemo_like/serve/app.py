@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nemo_like.serve.chat import parse_reply, render_prompt
+from nemo_like.serve.chat import check_text, parse_reply, render_prompt
 from nemo_like.serve.engines import GenParams
 from nemo_like.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, split_noop, validation_message
 from nemo_like.serve.sessions import Session, SessionStore, Turn
@@ -208,7 +208,7 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = list(tok(prompt, add_special_tokens=False)["input_ids"])
+            ids = list(tok(check_text(prompt, "prompt"), add_special_tokens=False)["input_ids"])
         else:
             vocab = len(tok)
             if any(not 0 <= t < vocab for t in prompt):

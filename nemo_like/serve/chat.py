@@ -77,11 +77,23 @@ def render_prompt(req: ChatCompletionRequest, tokenizer: Any) -> str:
     """The prompt text of a chat request, ending with the assistant's generation prompt."""
     messages, tools = chat_messages(req, tokenizer)
     try:
-        return render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools)
     except APIError:
         raise
     except Exception as e:  # a template that refuses these messages (roles, order): the request's fault
         raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
+    return check_text(text, "messages")
+
+
+def check_text(text: str, param: str) -> str:
+    """``text``, or a 400 when it is not valid Unicode (JSON can carry lone surrogates; no tokenizer
+    takes them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: text is not valid Unicode ({e.reason} at position {e.start})",
+                       param=param) from None
+    return text
 
 
 def parse_reply(text: str, tools_offered: bool) -> tuple[str | None, list[dict[str, Any]] | None, bool]:

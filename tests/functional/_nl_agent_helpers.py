@@ -10,7 +10,7 @@ _episodes = itertools.count()  # in the environment actor's process: episodes ru
 
 async def two_turns(client, row):
     """Asks, then asks again with its own reply and a follow-up in the history (the turns join into one
-    training row), rewarded by its second reply's length being odd. Every 6th episode raises and every 9th hangs, whatever the problem."""
+    training row), rewarded 1 every other episode. Every 6th episode raises and every 9th hangs, whatever the problem."""
     k = next(_episodes)
     if k % 6 == 5:
         raise ValueError("this agent fails on purpose")
@@ -20,5 +20,6 @@ async def two_turns(client, row):
     r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "="}]
     r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
-    # A reward with spread in every group (the untrained model never answers right): GRPO trains on it.
-    return {"reward": float(len(r.choices[0].message.content or "") % 2), "turns": 2}
+    # A reward with spread in every group (the untrained model never answers right; a group's episodes
+    # run one after another in the count): GRPO trains on it.
+    return {"reward": float(k % 2), "turns": 2}

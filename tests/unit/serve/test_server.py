@@ -155,6 +155,8 @@ def _post(server, path, body, key="server", raw=None):
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, None, "server", 404, "gpt-4o"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2000}]}, None, "server", 400, "context"),
     (None, b"{" + b" " * (9 * 2**20) + b"}", "server", 413, "limit"),
+    (None, b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "a\\ud800"}]}', "server", 400,
+     "not valid Unicode"),
 ])
 def test_bad_requests_get_openai_errors(server, body, raw, key, status, needle):
     r = _post(server, "/v1/chat/completions", body, key=key, raw=raw)
