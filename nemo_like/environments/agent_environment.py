@@ -113,24 +113,11 @@ class AgentEnvironment(EnvironmentInterface):
                 return out | {"seconds": time.monotonic() - t0}
         return await asyncio.gather(*[one(r, k) for r, k in zip(rows, keys)])
 
-    def _http(self) -> Any:
-        """One HTTP connection pool for every episode of this actor: an OpenAI client making its own
-        builds an SSL context and a pool each time (tens of ms, per episode, per step)."""
-        import httpx
-
-        loop = asyncio.get_running_loop()
-        if getattr(self, "_http_loop", None) is not loop:
-            self._http_client = httpx.AsyncClient(timeout=self.cfg.episode_timeout_s,
-                                                  limits=httpx.Limits(max_connections=self.cfg.max_concurrency))
-            self._http_loop = loop
-        return self._http_client
-
     async def _call_fn(self, row: dict, base_url: str, key: str) -> dict:
         import openai
 
-        # The shared pool is not the client's to close: closing the client leaves it open.
         client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0,
-                                    timeout=self.cfg.episode_timeout_s, http_client=self._http())
+                                    timeout=self.cfg.episode_timeout_s)
         try:
             value = await asyncio.wait_for(self.fn(client, dict(row)), self.cfg.episode_timeout_s)
         except TimeoutError:
@@ -140,6 +127,8 @@ class AgentEnvironment(EnvironmentInterface):
             where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
             at = f" at {os.path.basename(where.filename)}:{where.lineno}" if where else ""
             return {"reward": None, "metrics": {}, "timed_out": False, "error": f"{type(e).__name__}{at}: {e}"[:500]}
+        finally:
+            await client.close()
         reward, metrics, error = episode_result(value)
         return {"reward": reward, "metrics": metrics, "timed_out": False, "error": error}
 

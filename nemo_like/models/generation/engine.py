@@ -127,7 +127,10 @@ def _append(buf: torch.Tensor, used: int, rows: torch.Tensor, fill: int) -> torc
     need = used + rows.shape[0]
     width = tuple(max(a, b) for a, b in zip(buf.shape[1:], rows.shape[1:]))
     if need > buf.shape[0] or width != tuple(buf.shape[1:]):
-        grown = torch.full((max(need, 2 * buf.shape[0]), *width), fill, dtype=buf.dtype, device=buf.device)
+        # Rows double only when they run out: a wider row alone (a longer prompt) keeps the row count,
+        # else a stream whose prompts keep growing doubles the buffer at every one of them.
+        n = buf.shape[0] if need <= buf.shape[0] else max(need, 2 * buf.shape[0])
+        grown = torch.full((n, *width), fill, dtype=buf.dtype, device=buf.device)
         grown[(slice(0, used), *(slice(0, w) for w in buf.shape[1:]))] = buf[:used]
         buf = grown
     buf[(slice(used, need), *(slice(0, w) for w in rows.shape[1:]))] = rows

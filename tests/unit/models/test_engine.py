@@ -284,3 +284,16 @@ class _Everything:
 
     def exhausted(self):
         return True
+
+
+def test_a_stream_of_ever_longer_prompts_grows_the_buffers_by_width_not_by_doubling_rows(tiny):
+    """Each later turn of an episode is longer than any prompt before it: the per-request buffers
+    widen, and their rows still double only when they run out (they once doubled at every widening:
+    65,536 rows for 128 requests, and 256 concurrent chat sessions ran out of 24 GB)."""
+    tok, model = tiny
+    b = ContinuousBatcher(model, tok, None, GenerationConfig(max_new_tokens=4), greedy=True, max_total_length=128,
+                          slots=4, device=CPU)
+    for n in range(1, 101):
+        b.add(torch.ones((1, n), dtype=torch.long), torch.tensor([n]), [None])
+    assert b._buf["input_ids"].shape == (128, 100) and b.input_ids.shape == (100, 100)
+    assert b._buf["tokens"].shape[0] == 128
