@@ -10,7 +10,6 @@ is saved to ``output_dir`` as a plain HF sequence-classification folder, tokeniz
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -18,21 +17,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_like.algorithms.trainer_base import OfflineRun, epoch_batches, load_trainer_config
 from nemo_like.config_sections import ClusterConfig
 from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.models.reward_model import RewardModelConfig
-from nemo_like.utils.checkpoint import (
-    CheckpointError,
-    CheckpointingConfig,
-    preflight_checkpoints,
-    ranked_training_info,
-    resume_wanted,
-)
-from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
-from nemo_like.utils.logger import Logger, LoggerConfig
+from nemo_like.utils.checkpoint import CheckpointingConfig
+from nemo_like.utils.logger import LoggerConfig
 
 BOOTSTRAP_PREFIX = "bootstrap:"
 
@@ -131,16 +124,7 @@ class RMConfig(BaseModel):
 
 def load_rm_config(path: str | Path, overrides: list[str] | None = None) -> RMConfig:
     """The YAML (with its ``defaults:``) and ``key=value`` overrides, checked: ConfigError naming the key."""
-    from pydantic import ValidationError
-
-    from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_provenance
-
-    raw, provenance = load_yaml_with_provenance(path, RMConfig, {})
-    raw = apply_overrides(raw, list(overrides or []), schema=RMConfig, provenance=provenance)
-    try:
-        return RMConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(f"invalid config: {format_validation_error(e, provenance)}") from None
+    return load_trainer_config(RMConfig, path, overrides)
 
 
 def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
@@ -180,37 +164,10 @@ def evaluate(rm: Any, val: dict[str, torch.Tensor]) -> dict[str, float]:
             "val/score_mean": float(scores.mean())}
 
 
-def _batches(n_pairs: int, gbs: int, cfg: RMTrainerConfig) -> list[tuple[int, list[int]]]:
-    """(epoch, pair indices) of every step: whole global batches of each epoch's shuffle (the remainder
-    waits for the next epoch's), the same list on every run with the same seed, so a resumed run
-    goes on with the batches the interrupted one would have drawn."""
-    rng = random.Random(cfg.seed)
-    out = []
-    for epoch in range(cfg.num_epochs):
-        order = list(range(n_pairs))
-        rng.shuffle(order)
-        out += [(epoch, order[s:s + gbs]) for s in range(0, n_pairs - gbs + 1, gbs)]
-    return out[:cfg.max_steps] if cfg.max_steps else out
-
-
-def _resumable(path: Path, plan: dict[str, int], steps: int) -> dict[str, Any]:
-    """The checkpoint's train state, if this run can go on from it: the same batches (``plan``) and
-    no further than this run's ``steps``; else CheckpointError naming both."""
-    state = load_train_state(path)
-    if state["plan"] != plan or state["step"] > steps:
-        raise CheckpointError(f"{path} was saved by a run with {state['plan']} at step {state['step']}; this run has "
-                              f"{plan} and {steps} steps: it cannot go on from there. Use another "
-                              "checkpointing.checkpoint_dir, or the settings it was saved with")
-    return state
-
-
 def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     """The whole run; returns the final held-out metrics, the steps and the saved folder."""
     from transformers import AutoTokenizer
 
-    from nemo_like.config import ConfigError
-    from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-    from nemo_like.distributed.resource_pools import PlacementError, place_roles
     from nemo_like.models.reward_model import RewardModel
 
     train_pairs, val_pairs = _pairs(cfg.data)  # data errors before Ray starts
@@ -218,16 +175,13 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
     if len(train_pairs) < gbs:
         raise DataError(f"{len(train_pairs)} training pairs are fewer than one global batch "
                         f"(reward_model.train_global_batch_size={gbs})")
-    batches = _batches(len(train_pairs), gbs, cfg.trainer)
+    t = cfg.trainer
+    batches = epoch_batches(len(train_pairs), gbs, t.num_epochs, t.seed, t.max_steps)
     # What fixes the order of the batches: a resumed run must go on with the same ones.
-    plan = {"pairs": len(train_pairs), "train_global_batch_size": gbs, "seed": cfg.trainer.seed}
+    plan = {"pairs": len(train_pairs), "train_global_batch_size": gbs, "seed": t.seed}
     # So is a checkpoint_dir of another run, in use by a live one, with only damaged checkpoints, or
-    # with a checkpoint this run cannot go on from.
-    ckpt, found = preflight_checkpoints(cfg.checkpointing)
-    saved = _resumable(found, plan, len(batches)) if found is not None else None
-    started = init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
-    placed = rm = logger = None
-    try:
+    # with a checkpoint this run cannot go on from (all refused here, before Ray starts).
+    with OfflineRun(cfg.cluster, cfg.checkpointing, cfg.logger, plan, len(batches)) as run:
         model_dir = resolve_model(cfg.reward_model.model_name)
         tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.reward_model.trust_remote_code)
         if tok.pad_token_id is None:
@@ -236,64 +190,36 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
         val = tokenize_pairs(val_pairs, tok, cfg.data.max_length)
         # Placed as a GRPO run's roles are (after the base model is built: its SFT needs the CPUs): a
         # pool too small fails here, naming it, before the model loads; the plan is printed.
-        try:
-            placed = place_roles(cfg.cluster, ["policy"])
-        except PlacementError as e:
-            raise ConfigError(str(e)) from None
-        print(placed.summary(labels=RM_ROLES))
-        rm = RewardModel(placed["policy"], cfg.reward_model.model_copy(update={"model_name": model_dir}),
-                         seed=cfg.trainer.seed)
-        logger = Logger(cfg.logger)
-        latest = ckpt.open_for_run(resume_wanted(cfg.checkpointing)) if ckpt is not None else None
-        if latest is not None:
-            # Another run may have saved between the check and the lock: then that checkpoint is checked too.
-            state = saved if latest == found else _resumable(latest, plan, len(batches))
-            start, first, last, last_val = int(state["step"]), state["first"], state["last"], int(state["last_val"])
-            rm.load_checkpoint(str(latest / "reward_model"))
-            logger.keep_steps_up_to(start)  # rows the interrupted run logged after its checkpoint
-            print(f"[nemo_like] resumed from {latest} at step {start}")
+        rm = RewardModel(run.place(RM_ROLES), cfg.reward_model.model_copy(update={"model_name": model_dir}),
+                         seed=t.seed)
+        run.own(rm.shutdown)
+        state = run.open(cfg, load_weights=lambda p: rm.load_checkpoint(str(p / "reward_model")))
+        if state is not None:
+            first, last, last_val = state["first"], state["last"], int(state["last_val"])
         else:
-            logger.set_aside_previous_rows()  # an earlier run's rows in the same log_dir are kept apart
-            start, last_val, first = 0, 0, evaluate(rm, val)
+            last_val, first = 0, evaluate(rm, val)
             last = first
-            logger.log_metrics(first, step=0)
-        logger.log_hyperparams(cfg)
+            run.logger.log_metrics(first, step=0)
         t0 = time.perf_counter()
-        for step, (epoch, pairs) in enumerate(batches, start=1):
-            if step <= start:  # trained before the checkpoint
-                continue
+        for step, (epoch, pairs) in run.steps(batches):
             rows = [2 * p + k for p in pairs for k in (0, 1)]
             batch = BatchedDataDict(input_ids=train["input_ids"][rows], input_lengths=train["input_lengths"][rows])
-            t = time.perf_counter()
+            ts = time.perf_counter()
             m = {f"train/{k}": v for k, v in rm.train_pairs(batch).items()}
-            m |= {"train/epoch": float(epoch), "timing/train": time.perf_counter() - t}
+            m |= {"train/epoch": float(epoch), "timing/train": time.perf_counter() - ts}
             # Held-out pairs every val_period steps and after the last step (inside the loop, so that
             # the last checkpoint holds the final scores and a resumed finished run adds no row).
-            if (cfg.trainer.val_period and step % cfg.trainer.val_period == 0) or step == len(batches):
+            if (t.val_period and step % t.val_period == 0) or run.is_last(step):
                 last, last_val = evaluate(rm, val), step
                 m |= last
-            logger.log_metrics(m, step=step)
-            if ckpt is not None and ckpt.should_save(step, is_last_step=step == len(batches)):
-                # Ranked by held-out scores of its own weights only (none if this step was not evaluated).
-                tmp = ckpt.init_tmp_checkpoint(step, ranked_training_info(step, last, last_val))
-                rm.save_checkpoint(str(tmp / "reward_model"))
-                save_train_state(tmp, {"step": step, "first": first, "last": last, "last_val": last_val,
-                                       "plan": plan})
-                ckpt.finalize_checkpoint(tmp)
+            run.logger.log_metrics(m, step=step)
+            # Ranked by held-out scores of its own weights only (none if this step was not evaluated).
+            run.maybe_save(step, lambda p: rm.save_checkpoint(str(p / "reward_model")),
+                           {"first": first, "last": last, "last_val": last_val}, val_metrics=last, val_step=last_val)
         out = Path(cfg.output_dir)
         rm.save(str(out))
         tok.save_pretrained(out)
         return {"first": first, "last": last, "steps": len(batches), "seconds": time.perf_counter() - t0,
-                "resumed_at": start, "output_dir": str(out),
+                "resumed_at": run.start_step, "output_dir": str(out),
                 "truncated_pairs": int(train["truncated"].sum() + val["truncated"].sum()),
                 "train_pairs": len(train_pairs), "val_pairs": len(val_pairs)}
-    finally:
-        if ckpt is not None:
-            ckpt.release_lock()
-        if logger is not None:
-            logger.close()
-        if rm is not None:
-            rm.shutdown()
-        if placed is not None:
-            placed.shutdown()
-        shutdown_ray_if_started(started)
