@@ -127,7 +127,8 @@ def load_rm_config(path: str | Path, overrides: list[str] | None = None) -> RMCo
     return load_trainer_config(RMConfig, path, overrides)
 
 
-def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def load_pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """The training and held-out pairs of a ``data`` section (files checked line by line, or math pairs)."""
     if cfg.math_pairs is None:
         return load_preference_pairs(cfg.train), load_preference_pairs(cfg.validation)
     from nemo_like.data.datasets import ArithmeticConfig, generate_arithmetic_dataset
@@ -145,12 +146,13 @@ def _pairs(cfg: RMDataConfig) -> tuple[list[PreferencePair], list[PreferencePair
                                   malformed=m.malformed))
 
 
-def resolve_model(name: str) -> str:
-    """``bootstrap:<config>``: that GRPO config's bootstrapped base model (built if not cached)."""
+def resolve_model(name: str, key: str = "reward_model.model_name") -> str:
+    """``bootstrap:<config>``: that GRPO config's bootstrapped base model (built if not cached); else
+    the hub id or folder (errors name ``key``)."""
     if not name.startswith(BOOTSTRAP_PREFIX):
         from nemo_like.models.pretrained import resolve_model_source
 
-        return resolve_model_source(name, key="reward_model.model_name")
+        return resolve_model_source(name, key=key)
     from nemo_like.config import load_config
     from nemo_like.models.bootstrap import ensure_base_model
 
@@ -170,7 +172,7 @@ def train_reward_model(cfg: RMConfig) -> dict[str, Any]:
 
     from nemo_like.models.reward_model import RewardModel
 
-    train_pairs, val_pairs = _pairs(cfg.data)  # data errors before Ray starts
+    train_pairs, val_pairs = load_pairs(cfg.data)  # data errors before Ray starts
     gbs = cfg.reward_model.train_global_batch_size
     if len(train_pairs) < gbs:
         raise DataError(f"{len(train_pairs)} training pairs are fewer than one global batch "

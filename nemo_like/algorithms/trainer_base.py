@@ -154,7 +154,8 @@ class OfflineRun:
         else:
             self.logger.set_aside_previous_rows()  # an earlier run's rows in the same log_dir are kept apart
         self.logger.log_hyperparams(hyperparams)
-        return state
+        # What save_train_state adds itself (the format, the RNG states) is not the trainer's to carry on.
+        return None if state is None else {k: v for k, v in state.items() if k not in ("format", "rng")}
 
     def steps(self, batches: list[Any]) -> Iterator[tuple[int, Any]]:
         """(step, batch) from step 1, without the steps trained before the checkpoint resumed from."""
