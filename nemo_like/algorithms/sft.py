@@ -1,47 +1,185 @@
-"""Supervised fine-tuning through the same Policy/worker code as GRPO, with an NLL loss on
-assistant tokens only. Used to bootstrap the tiny default model's answer format."""
+"""Supervised fine-tuning on chat data, a trainer of its own over the same Policy facade and workers as GRPO.
+
+    uv run examples/run_sft.py [--config examples/configs/sft_math_tiny.yaml] [key=value ...]
+
+Conversations (JSON Lines or an ``hf:`` dataset, ``nemo_like/data/sft_data.py``) are rendered by the
+policy's chat template as GRPO renders prompts; the loss is the NLL of every assistant turn's tokens
+(``NLLLossFn`` through ``policy.train``). Each step trains one global batch (``policy.train_global_batch_size``)
+of an epoch's shuffle; every ``trainer.val_period`` steps and at the end the held-out conversations' per-token
+NLL is ``val/loss``. Packing and LoRA are the policy's (``policy.sequence_packing``, ``policy.lora``). With
+``checkpointing.enabled`` the run saves step checkpoints and resumes exactly from the newest one; the result
+is saved to ``output_dir`` as a plain HF folder (LoRA merged). The tiny model's bootstrap trains with the same
+step loop (``sft_loop.sft_steps``).
+"""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterator
+import time
+from pathlib import Path
 from typing import Any
 
-from nemo_like.algorithms.loss_functions import NLLLossFn
-from nemo_like.data.sampler import EpochSampler
-from nemo_like.experience.rollouts import flatten_message_logs
-from nemo_like.utils.progress import progress_bar
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_like.algorithms.rm import BOOTSTRAP_PREFIX, resolve_model
+from nemo_like.algorithms.sft_loop import sft_batch, sft_steps, validation_loss
+from nemo_like.algorithms.trainer_base import OfflineRun, epoch_batches, load_trainer_config
+from nemo_like.config_sections import ClusterConfig
+from nemo_like.data.errors import DataError
+from nemo_like.data.sft_data import SFTDataConfig, read_conversations, tokenize_conversations
+from nemo_like.distributed.resource_pools import refuse_roles_not_placed
+from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.utils.checkpoint import CheckpointingConfig
+from nemo_like.utils.logger import LoggerConfig
+
+__all__ = ["SFTConfig", "SFTTrainerConfig", "load_sft_config", "train_sft"]
 
 
-def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, micro_batch_size: int | None = None,
-              pad_id: int, seed: int = 0, log_fn: Callable[[dict, int], None] | None = None,
-              desc: str = "SFT", group_by_length: bool = False) -> list[dict[str, float]]:
-    """`dataset[i]` is a DatumSpec whose message_log ends with the assistant answer.
-
-    ``group_by_length``: draw 8 batches at once, sort them by length and serve them in random
-    order, so a batch pads to its own (similar) lengths; costs some randomness of batch make-up."""
-    sampler = EpochSampler(len(dataset), seed=seed)
-    batches = _batches(dataset, sampler, batch_size, group_by_length, random.Random(seed))
-    loss_fn = NLLLossFn()
-    history = []
-    for step in progress_bar(range(1, num_steps + 1), desc=desc, unit="step"):
-        datums = next(batches)
-        data = flatten_message_logs([d["message_log"] for d in datums], pad_id)
-        data["sample_mask"] = data["input_lengths"].new_tensor([d["loss_multiplier"] for d in datums]).float()
-        metrics = policy.train(data, loss_fn, global_batch_size=batch_size, micro_batch_size=micro_batch_size)
-        history.append({"step": step} | metrics)
-        if log_fn:
-            log_fn(metrics, step)
-    return history
+class SFTTrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_epochs: int = Field(1, gt=0)
+    # Stop after this many optimizer steps (None: every whole global batch of every epoch).
+    max_steps: int | None = Field(None, gt=0)
+    val_period: int = Field(10, ge=0)  # steps between held-out losses (0: only at the start and the end)
+    # Seed of the epochs' shuffles and of the policy's initialisation (LoRA adapters).
+    seed: int = 0
 
 
-def _batches(dataset: Any, sampler: EpochSampler, batch_size: int, group_by_length: bool,
-             rng: random.Random) -> Iterator[list[Any]]:
-    while True:
-        if not group_by_length:
-            yield [dataset[i] for i in sampler.next_indices(batch_size)]
-            continue
-        pool = sorted((dataset[i] for i in sampler.next_indices(8 * batch_size)), key=lambda d: int(d["length"]))
-        chunks = [pool[k:k + batch_size] for k in range(0, len(pool), batch_size)]
-        rng.shuffle(chunks)
-        yield from chunks
+SFT_ROLES = {"policy": "the model trained"}
+_OTHER_ROLES = {"generation": "nothing generates in SFT; remove the key",
+                "critic": "there is no value model here; remove the key",
+                "reference": "SFT has no reference model; remove the key",
+                "reward_model": "SFT scores nothing; remove the key"}
+_OTHER_SECTIONS = {"generation": "rollout", "critic": "critic", "reward_model": "reward-model scoring"}
+
+
+class SFTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # The model trained: model_name an HF id or folder, or "bootstrap:<GRPO config>" (that config's
+    # bootstrapped tiny base model, built if not cached); batch sizes, optimizer, scheduler, packing, LoRA
+    # and chat_template as in a GRPO run.
+    policy: PolicyConfig
+    data: SFTDataConfig
+    trainer: SFTTrainerConfig = SFTTrainerConfig()
+    # The language-model run's cluster section: the model trained is the policy role.
+    cluster: ClusterConfig = ClusterConfig()
+    logger: LoggerConfig = LoggerConfig(log_dir="logs/sft")
+    # step_<N> checkpoints every save_period steps and at the end; ranked by the held-out loss.
+    checkpointing: CheckpointingConfig = CheckpointingConfig(enabled=False, checkpoint_dir="results/sft/checkpoints",
+                                                             save_period=50, metric_name="val/loss",
+                                                             higher_is_better=False)
+    # Where the trained model is saved: a plain HF folder (with LoRA, the adapter merged).
+    output_dir: str = "results/sft"
+
+    @model_validator(mode="after")
+    def _checks(self) -> SFTConfig:
+        """Before Ray starts: lengths that fit, the roles this run has, a batch its workers split."""
+        longest = self.policy.max_total_sequence_length
+        if self.data.max_length is not None and self.data.max_length > longest:
+            raise ValueError(f"data.max_length ({self.data.max_length}) is longer than policy.max_total_sequence_length "
+                             f"({longest}), which sizes the packing budgets; raise that or lower data.max_length")
+        c = self.cluster
+        for section, what in _OTHER_SECTIONS.items():
+            if section in c.model_fields_set:
+                raise ValueError(f"cluster.{section}: SFT starts no {what} workers; the model trained is sized by "
+                                 "cluster.num_workers, cluster.cpus_per_worker and cluster.gpus_per_worker")
+        refuse_roles_not_placed(c.roles, "SFT", SFT_ROLES, _OTHER_ROLES)
+        c.check_roles({"policy": True, "generation": False, "reference": False, "critic": False,
+                       "reward_model": False}, {})
+        gbs = self.policy.train_global_batch_size
+        if gbs % c.num_workers:
+            raise ValueError(f"policy.train_global_batch_size={gbs} does not divide over cluster.num_workers="
+                             f"{c.num_workers} workers; use a multiple of {c.num_workers}")
+        return self
+
+
+def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTConfig:
+    """The YAML (with its ``defaults:``) and ``key=value`` overrides, checked: ConfigError naming the key."""
+    return load_trainer_config(SFTConfig, path, overrides)
+
+
+def _model_dir(name: str) -> str:
+    if name.startswith(BOOTSTRAP_PREFIX):
+        return resolve_model(name)
+    from nemo_like.models.pretrained import resolve_model_source
+
+    return resolve_model_source(name, key="policy.model_name")
+
+
+def _tokenizer(cfg: SFTConfig, model_dir: str) -> Any:
+    from nemo_like.config import ConfigError
+    from nemo_like.models.tokenizers import load_tokenizer
+
+    try:  # the template the policy's workers put on their tokenizer: what the model sees at RL time
+        return load_tokenizer(cfg.policy.tokenizer_name or model_dir, chat_template=cfg.policy.chat_template,
+                              trust_remote_code=cfg.policy.trust_remote_code)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def train_sft(cfg: SFTConfig) -> dict[str, Any]:
+    """The whole run; returns the first and last held-out losses, the steps, the counts and the saved folder."""
+    # Data errors (file:line) before Ray starts; tokenizing waits for the model (maybe bootstrapped).
+    train_convs = read_conversations(cfg.data.train, cfg.data.messages_key, "data.train")
+    val_convs = (read_conversations(cfg.data.validation, cfg.data.messages_key, "data.validation")
+                 if cfg.data.validation is not None else [])
+    gbs = cfg.policy.train_global_batch_size
+    if len(train_convs) < gbs:
+        raise DataError(f"{cfg.data.train.path}: {len(train_convs)} conversations are fewer than one global batch "
+                        f"(policy.train_global_batch_size={gbs})")
+    t = cfg.trainer
+    batches = epoch_batches(len(train_convs), gbs, t.num_epochs, t.seed, t.max_steps)
+    # What fixes the batches: a resumed run must go on with the same ones.
+    plan = {"conversations": len(train_convs), "train_global_batch_size": gbs, "seed": t.seed,
+            "max_length": cfg.data.max_length or cfg.policy.max_total_sequence_length}
+    with OfflineRun(cfg.cluster, cfg.checkpointing, cfg.logger, plan, len(batches)) as run:
+        from nemo_like.models.policy.lm_policy import Policy
+
+        model_dir = _model_dir(cfg.policy.model_name)  # may build the bootstrapped base (needs the CPUs)
+        tok = _tokenizer(cfg, model_dir)
+        max_len = plan["max_length"]
+        train, train_counts = tokenize_conversations(tok, train_convs, max_len, cfg.data.train.path)
+        val, val_counts = (tokenize_conversations(tok, val_convs, max_len, cfg.data.validation.path)
+                           if cfg.data.validation is not None else ([], {"truncated": 0, "no_loss": 0}))
+        val_data = sft_batch(val, tok.pad_token_id) if val else None
+        policy_cfg = cfg.policy.model_copy(update={"model_name": model_dir})
+        policy = Policy(run.place(SFT_ROLES), policy_cfg, seed=t.seed, init_reference_model=False, name_prefix="policy")
+        run.own(policy.shutdown)
+
+        def evaluate() -> dict[str, float]:
+            if val_data is None:
+                return {}
+            t0 = time.perf_counter()
+            return validation_loss(policy, val_data) | {"timing/validation": time.perf_counter() - t0}
+
+        state = run.open(cfg, load_weights=lambda p: policy.load_checkpoint(str(p / "policy")))
+        if state is None:
+            first = evaluate()
+            state = {"first": first, "last": first, "last_val": 0}
+            run.logger.log_metrics(first | {"data/truncated": float(train_counts["truncated"])}, step=0)
+
+        def after_step(step: int, m: dict[str, float]) -> None:
+            epoch = batches[step - 1][0]
+            row = {f"train/{k}": v for k, v in m.items() if k != "seconds"}
+            row |= {"train/epoch": float(epoch), "timing/train": m["seconds"]}
+            # Held-out loss every val_period steps and after the last step (inside the loop, so the
+            # last checkpoint holds the final loss and a resumed finished run adds no row).
+            if (t.val_period and step % t.val_period == 0) or run.is_last(step):
+                state["last"], state["last_val"] = evaluate(), step
+                row |= state["last"]
+            run.logger.log_metrics(row, step=step)
+            run.maybe_save(step, lambda p: policy.save_checkpoint(str(p / "policy")), state,
+                           val_metrics=state["last"], val_step=state["last_val"])
+
+        todo = [(step, [train[i] for i in idx]) for step, (_, idx) in run.steps(batches)]
+        t0 = time.perf_counter()
+        history = sft_steps(policy, todo, pad_id=tok.pad_token_id, global_batch_size=gbs,
+                            micro_batch_size=cfg.policy.train_micro_batch_size, after_step=after_step,
+                            total=len(todo))
+        seconds = time.perf_counter() - t0
+        out = Path(cfg.output_dir)
+        policy.export_merged(str(out))
+        return {"first": state["first"], "last": state["last"], "steps": len(batches), "resumed_at": run.start_step,
+                "seconds": seconds, "history": history, "output_dir": str(out),
+                "train_conversations": len(train), "val_conversations": len(val),
+                "truncated": train_counts["truncated"] + val_counts["truncated"],
+                "no_loss": train_counts["no_loss"] + val_counts["no_loss"]}

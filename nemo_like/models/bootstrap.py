@@ -77,7 +77,7 @@ def ensure_base_model(cfg: MasterConfig) -> str:
 
 
 def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
-    from nemo_like.algorithms.sft import sft_train
+    from nemo_like.algorithms.sft_loop import sft_train
     from nemo_like.data.datasets import load_dataset_from_config
     from nemo_like.models.policy.interfaces import (
         DynamicBatchingConfig,

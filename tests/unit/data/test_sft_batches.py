@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from nemo_like.algorithms.sft import _batches
+from nemo_like.algorithms.sft_loop import _batches
 from nemo_like.data.sampler import EpochSampler
 
 
