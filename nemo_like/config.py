@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nemo_like import config_loading as loading
 from nemo_like.algorithms.advantages import estimator_needs, get_advantage_estimator
+from nemo_like.algorithms.distillation import TeacherConfig
 from nemo_like.algorithms.loss_functions import ClippedPGLossConfig, check_loss_name
 from nemo_like.config_loading import (
     IMPORT_PREFIX,
@@ -117,6 +118,9 @@ class MasterConfig(UserImports):
     critic: CriticConfig | None = None
     # A trained reward model whose score joins the environments' rewards; its own workers (cluster.reward_model).
     reward_model: RewardModelRewardConfig | None = None
+    # On-policy distillation: a frozen teacher scores the student's samples, on workers of its own
+    # (cluster.teacher); docs/guides/distillation.md.
+    teacher: TeacherConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -232,6 +236,7 @@ class MasterConfig(UserImports):
         self._check_policy_backend()
         self._check_async()
         self._check_roles()
+        self._check_teacher()
         weights = [d.sampling_weight for d in self.data.train_list]
         if any(w is not None for w in weights) and any(w is None for w in weights):
             missing = [d.task_name for d in self.data.train_list if d.sampling_weight is None]
@@ -287,7 +292,8 @@ class MasterConfig(UserImports):
         """Which roles this run has (cluster.roles' keys): setup places them, the checks below pool them."""
         return {"policy": True, "generation": not self.policy.generation.colocated,
                 "reference": self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.kl_in_reward.enabled,
-                "critic": self.critic is not None, "reward_model": self.reward_model is not None}
+                "critic": self.critic is not None, "reward_model": self.reward_model is not None,
+                "teacher": self.teacher is not None}
 
     def _check_roles(self) -> None:
         """With cluster.resource_pools: each role this run has on a pool, and only those."""
@@ -295,6 +301,18 @@ class MasterConfig(UserImports):
         needs_gpu = {"policy": "policy.backend=megatron"} if self.policy.backend == "megatron" else {}
         self.cluster.check_roles(used, needs_gpu, concurrent_generation=self.grpo.async_rollouts.enabled,
                                  collective_refit=self.policy.generation.refit_transport == "collective")
+
+    def _check_teacher(self) -> None:
+        t = self.teacher
+        if t is None:
+            return
+        check_model_source(t.model_name, key="teacher.model_name")  # a missing folder fails before Ray starts
+        if t.objective == "topk" and self.policy.backend != "hf":
+            raise ValueError(f"teacher.objective=topk: the student's policy.backend={self.policy.backend!r} cannot "
+                             "give the top-k tokens' log-probs to the loss; use teacher.objective=reverse_kl")
+        if t.reward_weight == 0 and t.kl_coef == 0:
+            raise ValueError("teacher: kl_coef and reward_weight are both 0, so nothing trains the policy; set "
+                             "teacher.kl_coef (distillation) or teacher.reward_weight (the environments' rewards)")
 
     def _check_async(self) -> None:
         a = self.grpo.async_rollouts

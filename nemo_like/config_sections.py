@@ -209,10 +209,10 @@ class ResourcePoolConfig(_Strict):
 
 
 # The roles a run places; the reference model runs inside the policy's workers, so its pool is the policy's.
-ROLES = ("policy", "generation", "reference", "critic", "reward_model")
+ROLES = ("policy", "generation", "reference", "critic", "reward_model", "teacher")
 # The section of ClusterConfig that sizes each role's worker group (num_workers) when it is on a pool.
 ROLE_SECTIONS = {"policy": "cluster", "generation": "cluster.generation", "critic": "cluster.critic",
-                 "reward_model": "cluster.reward_model"}
+                 "reward_model": "cluster.reward_model", "teacher": "cluster.teacher"}
 
 
 class ClusterConfig(_Strict):
@@ -232,10 +232,12 @@ class ClusterConfig(_Strict):
     critic: GenerationClusterConfig = GenerationClusterConfig()
     # The reward model's worker group (a `reward_model` section).
     reward_model: GenerationClusterConfig = GenerationClusterConfig()
+    # The distillation teacher's worker group (a `teacher` section): each worker scores its share of a batch.
+    teacher: GenerationClusterConfig = GenerationClusterConfig()
     # Named pools of machines ({name: {nodes, cpus_per_node, gpus_per_node, node_resource}}); empty:
     # each role gets a placement group of its own, sized by its section above (num_workers x cpus_per_worker).
     resource_pools: dict[str, ResourcePoolConfig] = {}
-    # Which pool each role runs on ({policy, generation, reference, critic, reward_model}: pool name).
+    # Which pool each role runs on ({policy, generation, reference, critic, reward_model, teacher}: pool name).
     # Roles in one pool share its CPUs/GPUs, time-sliced; roles in different pools never compete. On a
     # pool a role's size is its section's num_workers (a multiple of the pool's nodes); the pool sets
     # the CPUs and GPUs of each worker.
@@ -346,7 +348,7 @@ class ClusterConfig(_Strict):
 
 _ROLE_WHEN = {"policy": "always present", "generation": "only with policy.generation.colocated=false",
               "reference": "only with a KL penalty", "critic": "only with a critic section",
-              "reward_model": "only with a reward_model section"}
+              "reward_model": "only with a reward_model section", "teacher": "only with a teacher section"}
 
 
 class RewardModelRewardConfig(_Strict):

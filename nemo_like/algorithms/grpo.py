@@ -20,6 +20,7 @@ import torch
 
 from nemo_like.algorithms.advantages import get_advantage_estimator
 from nemo_like.algorithms.async_rollouts import AsyncRolloutRunner
+from nemo_like.algorithms.distillation import DistillStage
 from nemo_like.algorithms.grpo_loop import grpo_train
 from nemo_like.algorithms.grpo_report import (
     accuracy_summary,
@@ -106,6 +107,9 @@ class GRPOTrainer:
     run_identity: dict[str, Any] | None = None
     # The OpenAI-compatible server agent tasks' programs talk to (experience/agent_rollouts.py), if any.
     agent_server: Any = None
+    # On-policy distillation's frozen teacher (a Policy without an optimizer; algorithms/distillation.py).
+    teacher: Any = None
+    distill: DistillStage = field(init=False)
 
     def __post_init__(self) -> None:
         task_envs = {d.task_name: d.env_name for d in self.config.data.train_list}
@@ -115,6 +119,8 @@ class GRPOTrainer:
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
         self.generator = self.generator if self.generator is not None else self.policy
         self.ppo = PPOStage(self.config, self.critic)
+        self.distill = DistillStage(self.config.teacher, self.teacher)
+        self.loss_fn = self.distill.wrap_loss(self.loss_fn)
         self._local = threading.local()
         s = self.config.grpo.slow_env_first_s
         self.env_times = EnvTimes(s) if s is not None else None  # per task, across steps and validation
@@ -237,6 +243,12 @@ class GRPOTrainer:
                 if self.critic is not None:
                     self._moved = True
                     ppo_metrics |= self.ppo.update_critic(train_data, extras, timer)
+            # 4c. Distillation: the teacher's log-probs of the sampled tokens, whose gap to the student's
+            # is each token's advantage (teacher.reward_weight mixes the ones above in), or top-k targets.
+            if self.distill.active:
+                with timer.time("teacher_logprobs"):
+                    advantages, distill_metrics = self.distill.apply(train_data, advantages)
+                ppo_metrics |= distill_metrics
             train_data["advantages"] = advantages.float()
 
             # 5. Policy update, grpo.ppo_epochs passes over the batch: each clips its ratio against

@@ -11,12 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_like.algorithms.distillation import teacher_policy_config
 from nemo_like.algorithms.grpo import GRPOTrainer
 from nemo_like.algorithms.grpo_setup import (
     build_task_dataset,
     check_critic_tokenizer,
     check_prompt_lengths,
     check_resume_compatible,
+    check_same_tokenizer,
     env_config,
     make_train_sampler,
     run_identity,
@@ -108,6 +110,10 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
         cfg.critic.model_name = resolve_model_source(cfg.critic.model_name, key="critic.model_name")
         check_critic_tokenizer(cfg.critic.model_name, cfg.policy.tokenizer_name or cfg.policy.model_name,
                                cfg.policy.trust_remote_code)
+    if cfg.teacher is not None:  # (with the bootstrapped student, once it is built)
+        cfg.teacher.model_name = resolve_model_source(cfg.teacher.model_name, key="teacher.model_name")
+        if not bootstrap:
+            _check_teacher_tokenizer(cfg)
     try:
         if init_ray(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus):
             resources.append(lambda: shutdown_ray_if_started(True))
@@ -126,6 +132,8 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
             path = ensure_base_model(cfg)
             cfg.policy.model_name, cfg.policy.tokenizer_name = path, path
             tokenizer = load_tokenizer()
+            if cfg.teacher is not None:
+                _check_teacher_tokenizer(cfg)
         # Every role's room is reserved before a model loads (a short cluster fails in seconds), and the
         # plan is printed: which pool (or group of its own) each role runs on, and on which nodes.
         roles = cfg.run_roles()  # the reference model has no workers of its own: it lives in the policy's
@@ -149,6 +157,11 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
         rm_scorer = None
         if cfg.reward_model is not None:  # a trained reward model on workers of its own (cluster.reward_model)
             rm_scorer = _reward_model_scorer(cfg, plan["reward_model"], resources)
+        teacher = None
+        if cfg.teacher is not None:  # frozen: log-probs only, on workers of its own (cluster.teacher)
+            teacher = Policy(plan["teacher"], teacher_policy_config(cfg.policy, cfg.teacher), seed=cfg.grpo.seed,
+                             init_reference_model=False, init_optimizer=False, name_prefix="teacher")
+            resources.append(teacher.shutdown)
         generator = policy
         if not cfg.policy.generation.colocated:  # a rollout group of its own, sent the weights after each update
             generator = RolloutGroup(cfg.policy, cfg.cluster.generation, seed=cfg.grpo.seed,
@@ -166,7 +179,7 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
                           val_dataset=val_ds, envs=envs, logger=logger, checkpointer=ckpt,
                           sampler=make_train_sampler(train_cfgs, train_ds, cfg.grpo.seed),
                           loss_fn=get_loss_fn(cfg.loss_fn.name, cfg.loss_fn), _resources=resources, critic=critic,
-                          generator=generator, rm_scorer=rm_scorer, run_identity=identity)
+                          generator=generator, rm_scorer=rm_scorer, run_identity=identity, teacher=teacher)
     try:  # checkpoint_dir is locked until trainer.close(); the newest intact checkpoint is resumed
         latest = ckpt.open_for_run(resume_wanted(cfg.checkpointing, resume)) if ckpt else None
         if latest is not None:
@@ -185,6 +198,13 @@ def setup(config: MasterConfig, *, resume: bool | None = None) -> GRPOTrainer:
             raise ConfigError(str(e)) from None
         raise
     return trainer
+
+
+def _check_teacher_tokenizer(cfg: MasterConfig) -> None:
+    check_same_tokenizer(cfg.teacher.model_name, cfg.policy.tokenizer_name or cfg.policy.model_name,
+                         "teacher.model_name", "distillation compares the two models token by token, so they must "
+                         "share a tokenizer (cross-tokenizer distillation is not supported)",
+                         cfg.teacher.trust_remote_code)
 
 
 def _reward_model_scorer(cfg: MasterConfig, cluster: Any, resources: list[Any]) -> Any:

@@ -38,6 +38,7 @@ _RESUMABLE_CHANGES = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.max_dur
 # gguf: file's converted folder, the bootstrap's cache folder, a template file's text), so they are compared as given, from
 # RUN_IDENTITY_FILE. A checkpoint written before that file existed cannot tell, and is not refused for them.
 MODEL_KEYS = ("policy.model_name", "policy.tokenizer_name", "critic.model_name", "reward_model.model_name",
+              "teacher.model_name",
               "policy.chat_template")  # (a template is saved as its text, named as given)
 # Beside run_config.json in each checkpoint: the model names as given and the data files' contents.
 RUN_IDENTITY_FILE = "run_identity.json"
@@ -193,14 +194,20 @@ def check_prompt_lengths(ds_cfgs, rows_list, tokenizer, split: str, max_input: i
 def check_critic_tokenizer(critic_model: str, policy_tokenizer: str, trust_remote_code: bool = False) -> None:
     """A critic of another model must tokenize as the policy does (its values are read per policy
     token): ConfigError naming ``critic.model_name`` otherwise, before Ray starts."""
+    check_same_tokenizer(critic_model, policy_tokenizer, "critic.model_name",
+                         "a critic reads the policy's tokens; use a model of the same family, or leave "
+                         "critic.model_name unset (the policy's model)", trust_remote_code)
+
+
+def check_same_tokenizer(model: str, policy_tokenizer: str, key: str, why: str, trust_remote_code: bool = False) -> None:
+    """ConfigError naming ``key`` when ``model``'s tokenizer has another vocabulary than the policy's."""
     from transformers import AutoTokenizer
 
     try:
-        mine = AutoTokenizer.from_pretrained(critic_model, trust_remote_code=trust_remote_code)
+        mine = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise ConfigError(f"critic.model_name={critic_model!r}: cannot load its tokenizer: {e}") from None
+        raise ConfigError(f"{key}={model!r}: cannot load its tokenizer: {e}") from None
     theirs = AutoTokenizer.from_pretrained(policy_tokenizer, trust_remote_code=trust_remote_code)
     if mine.get_vocab() != theirs.get_vocab():
-        raise ConfigError(f"critic.model_name={critic_model!r} has another tokenizer than the policy's "
-                          f"({len(mine)} against {len(theirs)} tokens): a critic reads the policy's tokens; "
-                          "use a model of the same family, or leave critic.model_name unset (the policy's model)")
+        raise ConfigError(f"{key}={model!r} has another tokenizer than the policy's ({policy_tokenizer!r}): "
+                          f"{len(mine)} against {len(theirs)} tokens; {why}")

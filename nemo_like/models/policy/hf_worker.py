@@ -44,8 +44,12 @@ from nemo_like.models.worker_base import TrainingWorkerBase, local_tensor, make_
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
-    """logprobs[:, t] = log p(input_ids[:, t] | < t); position 0 has no prediction and is 0."""
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                   topk: int | torch.Tensor | None = None):
+    """logprobs[:, t] = log p(input_ids[:, t] | < t); position 0 has no prediction and is 0.
+
+    ``topk`` (distillation): an int k also returns the k most likely tokens' ids and log-probs at
+    every position ([B, T, k] each); a tensor of ids [B, T, k] also returns their log-probs [B, T, k]."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float()
     if temperature != 1.0:
@@ -53,8 +57,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     targets = input_ids[:, 1:]
     # gather - logsumexp avoids materialising a second [B,T,V] tensor for log_softmax.
     picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1)
-    lp = picked - torch.logsumexp(logits, dim=-1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = _shift_in(picked - lse)
+    if topk is None:
+        return lp
+    if isinstance(topk, int):
+        vals, ids = logits.topk(topk, dim=-1)
+        return lp, _shift_in(ids), _shift_in(vals - lse[..., None])
+    ids = topk[:, 1:].to(logits.device)
+    return lp, _shift_in(torch.gather(logits, 2, ids) - lse[..., None])
+
+
+def _shift_in(x: torch.Tensor) -> torch.Tensor:
+    """Predictions of tokens 1.. as positions 1..: position 0 (no prediction) gets zeros."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
 
 
 def _attention_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -176,14 +192,15 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
             self._reshard()
 
     # ---- log-probs ----------------------------------------------------------------------------
-    def _mb_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        """[b, w] log-probs of the micro-batch's samples, in ``mb.idx`` order."""
+    def _mb_logprobs(self, mb: MicroBatch, topk: int | torch.Tensor | None = None):
+        """[b, w] log-probs of the micro-batch's samples, in ``mb.idx`` order (and top-k parts with
+        ``topk``: ``token_logprobs``)."""
         temp = self.cfg.generation.temperature
         with self._autocast(self.cfg.precision):
             if mb.packed is not None:
-                return packed_token_logprobs(self.model, mb.packed.to(self.device), temp)
+                return packed_token_logprobs(self.model, mb.packed.to(self.device), temp, topk)
             ids = mb.data["input_ids"].to(self.device)
-            return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp)
+            return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp, topk)
 
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -205,6 +222,26 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
                 lp[mb.idx, : out.shape[1]] = out.float().cpu()
                 real, computed = real + mb.tokens_real, computed + mb.tokens_computed
         return BatchedDataDict(logprobs=lp, padding_efficiency=torch.full((data.size,), real / max(computed, 1)))
+
+    @torch.no_grad()
+    def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
+        """``logprobs`` [B, T] of the tokens, and ``topk_ids`` / ``topk_logprobs`` [B, T, k]: the k most
+        likely next tokens at every position (a distillation teacher's targets)."""
+        self.model.eval()
+        try:
+            B, T = data["input_ids"].shape
+            lp = torch.zeros(B, T)
+            ids, vals = torch.zeros(B, T, k, dtype=torch.long), torch.zeros(B, T, k)
+            mbs = plan_microbatches(data, self.cfg, self.cfg.logprob_batch_size, self._attention_ratio)
+            for n_pass in range(self._synced_count(len(mbs))):
+                mb = mbs[min(n_pass, len(mbs) - 1)]
+                out, top_ids, top_lp = self._mb_logprobs(mb, k)
+                if n_pass < len(mbs):
+                    w = out.shape[1]
+                    lp[mb.idx, :w], ids[mb.idx, :w], vals[mb.idx, :w] = out.float().cpu(), top_ids.cpu(), top_lp.float().cpu()
+            return BatchedDataDict(logprobs=lp, topk_ids=ids, topk_logprobs=vals)
+        finally:
+            self.model.train()
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if not self.has_reference:
@@ -266,8 +303,11 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
             plan = plan_microbatches(gb, self.cfg, mbs, self._attention_ratio)
             for n_pass in range(self._synced_count(len(plan))):
                 item = plan[min(n_pass, len(plan) - 1)]
-                lp = self._mb_logprobs(item)
                 mbd = item.data.copy().to(self.device)
+                if "teacher_topk_ids" in mbd:  # a top-k distillation loss reads these ids' log-probs too
+                    lp, mbd["curr_topk_logprobs"] = self._mb_logprobs(item, mbd["teacher_topk_ids"])
+                else:
+                    lp = self._mb_logprobs(item)
                 loss, metrics = loss_fn(lp, mbd, global_seqs, global_toks)
                 if n_pass >= len(plan):  # a lock-step pass of a rank with fewer micro-batches: no gradient
                     (loss * 0.0).backward()

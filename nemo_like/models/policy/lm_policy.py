@@ -78,6 +78,11 @@ class Policy(PolicyInterface, GenerationInterface):
         """``logprobs`` [B, T] and ``padding_efficiency`` [B] (the worker's real / computed tokens)."""
         return self._run_sharded("get_logprobs", self._logprob_inputs(data))
 
+    def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
+        """``logprobs`` [B, T], and ``topk_ids`` / ``topk_logprobs`` [B, T, k] of the k most likely next
+        tokens at each position (full-vocabulary log-probs): a distillation teacher's targets."""
+        return self._run_sharded("get_topk_logprobs", self._logprob_inputs(data), k=int(k))
+
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._run_sharded("get_reference_policy_logprobs", self._logprob_inputs(data))
 

@@ -255,9 +255,10 @@ def build_packed(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[list
     return PackedBatch(ids, pos, uid, seg, sample_idx, src_row, src_col, targets, valid, T)
 
 
-def packed_token_logprobs(model, packed: PackedBatch, temperature: float) -> torch.Tensor:
+def packed_token_logprobs(model, packed: PackedBatch, temperature: float,
+                          topk: int | torch.Tensor | None = None):
     """[b, T] log-probs of each sample's tokens (0 at position 0 and past its length), computed from
-    the packed rows in one forward pass."""
+    the packed rows in one forward pass. ``topk`` as ``hf_worker.token_logprobs``'s (distillation)."""
     impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     dtype = next(model.parameters()).dtype
     mask = packed.attention_mask(impl, dtype)
@@ -269,7 +270,18 @@ def packed_token_logprobs(model, packed: PackedBatch, temperature: float) -> tor
     # One logsumexp per packed position (a shared prompt's once), then a gather per sample token.
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits[packed.src_row, packed.src_col, packed.targets] - lse[packed.src_row, packed.src_col]
-    return torch.where(packed.valid, picked, torch.zeros_like(picked))
+    lp = torch.where(packed.valid, picked, torch.zeros_like(picked))
+    if topk is None:
+        return lp
+    valid = packed.valid[..., None]
+    at = lse[packed.src_row, packed.src_col][..., None]
+    if isinstance(topk, int):
+        vals, ids = logits.topk(topk, dim=-1)
+        ids, vals = ids[packed.src_row, packed.src_col], vals[packed.src_row, packed.src_col] - at
+        return lp, torch.where(valid, ids, torch.zeros_like(ids)), torch.where(valid, vals, torch.zeros_like(vals))
+    ids = topk.to(logits.device)
+    got = logits[packed.src_row[..., None], packed.src_col[..., None], ids] - at
+    return lp, torch.where(valid, got, torch.zeros_like(got))
 
 
 def require_mask_attention(model, key: str) -> None:
