@@ -52,7 +52,8 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], in
 
 
 # Worker-group name prefixes (RayWorkerGroup name_prefix) and the cluster.roles role each one is.
-_ROLE_OF_PREFIX = {"policy": "policy", "rollout": "generation", "critic": "critic", "reward_model": "reward_model"}
+_ROLE_OF_PREFIX = {"policy": "policy", "rollout": "generation", "critic": "critic", "reward_model": "reward_model",
+                   "teacher": "teacher"}
 
 
 def dead_worker(e: BaseException) -> str | None:
