@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from nemo_like import GRPOExperiment
 from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import ConfigError, load_config
 from nemo_like.models.bootstrap import ensure_base_model
@@ -30,19 +31,26 @@ def _cfg(tmp_path, base_model_cache, *extra: str):
 
 
 def test_the_student_as_its_own_teacher_agrees_token_for_token(ray_session, tmp_path, base_model_cache):
+    # Everything at once, from the notebook API: async rollouts (a rollout worker samples; the teacher
+    # scores at training time), LoRA on the student (its adapter starts at zero: the base model),
+    # packed passes and the top-k objective.
     base = ensure_base_model(_cfg(tmp_path, base_model_cache))
-    cfg = _cfg(tmp_path, base_model_cache, "grpo.max_num_steps=1", f"teacher.model_name={base}",
-               "teacher.objective=topk", "teacher.topk_k=4", "policy.sequence_packing.enabled=true")
-    trainer = setup(cfg)
+    exp = GRPOExperiment(_cfg(tmp_path, base_model_cache, "grpo.max_num_steps=2", f"teacher.model_name={base}",
+                              "teacher.objective=topk", "teacher.topk_k=4", "policy.sequence_packing.enabled=true",
+                              "policy.lora.enabled=true", "policy.lora.target_modules=all-linear",
+                              "grpo.async_rollouts.enabled=true", "policy.generation.colocated=false",
+                              "loss_fn.use_importance_sampling_correction=true",
+                              "cluster.cpus_per_worker=1", "cluster.generation.cpus_per_worker=1"))
     try:
-        m = trainer.step()
+        first, second = exp.train(steps=2)
     finally:
-        trainer.close()
-    # The same weights score the sampled tokens as the sampler did: no gap, no top-k KL (packed rows
-    # and the teacher's padded ones line up position for position).
-    assert abs(m["distill/reverse_kl"]) < 1e-4 and m["distill/teacher_logprob_mean"] < -0.01
-    assert m["distill/teacher_logprob_mean"] == pytest.approx(m["distill/student_logprob_mean"], abs=1e-4)
-    assert 0 <= m["train/distill_topk_kl"] < 1e-4 and m["timing/teacher_logprobs"] > 0
+        exp.close()
+    # The same weights score the sampled tokens as the sampler did: no gap, no top-k KL (the packed
+    # rows of the student's pass and the teacher's line up position for position).
+    assert abs(first["distill/reverse_kl"]) < 1e-4 and first["distill/teacher_logprob_mean"] < -0.01
+    assert first["distill/teacher_logprob_mean"] == pytest.approx(first["distill/student_logprob_mean"], abs=1e-4)
+    assert 0 <= first["train/distill_topk_kl"] < 1e-4 and first["timing/teacher_logprobs"] > 0
+    assert second["train/distill_topk_kl"] > 0  # the adapter moved, only the student
 
 
 def test_a_teacher_on_its_own_pool_pulls_the_student_towards_it(ray_session, tmp_path, base_model_cache, capsys):
