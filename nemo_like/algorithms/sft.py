@@ -97,7 +97,7 @@ def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFT
     return load_trainer_config(SFTConfig, path, overrides)
 
 
-def _model_dir(name: str) -> str:
+def resolve_policy_model(name: str) -> str:
     if name.startswith(BOOTSTRAP_PREFIX):
         return resolve_model(name)
     from nemo_like.models.pretrained import resolve_model_source
@@ -105,7 +105,7 @@ def _model_dir(name: str) -> str:
     return resolve_model_source(name, key="policy.model_name")
 
 
-def _tokenizer(cfg: SFTConfig, model_dir: str) -> Any:
+def load_sft_tokenizer(cfg: SFTConfig, model_dir: str) -> Any:
     from nemo_like.config import ConfigError
     from nemo_like.models.tokenizers import load_tokenizer
 
@@ -134,8 +134,8 @@ def train_sft(cfg: SFTConfig) -> dict[str, Any]:
     with OfflineRun(cfg.cluster, cfg.checkpointing, cfg.logger, plan, len(batches)) as run:
         from nemo_like.models.policy.lm_policy import Policy
 
-        model_dir = _model_dir(cfg.policy.model_name)  # may build the bootstrapped base (needs the CPUs)
-        tok = _tokenizer(cfg, model_dir)
+        model_dir = resolve_policy_model(cfg.policy.model_name)  # may build the bootstrapped base (needs the CPUs)
+        tok = load_sft_tokenizer(cfg, model_dir)
         max_len = plan["max_length"]
         train, train_counts = tokenize_conversations(tok, train_convs, max_len, cfg.data.train.path)
         val, val_counts = (tokenize_conversations(tok, val_convs, max_len, cfg.data.validation.path)
