@@ -121,6 +121,7 @@ def run_work(work_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     print(f"[{work_name}] teacher {teacher_acc:.1%}; distilling into the student until {target:.1%} ...", flush=True)
     distill = _arm(f"{work_name}-distill", config, common + [
         f"teacher.model_name={cached / 'teacher'}", f"grpo.max_num_steps={args.distill_steps}",
+        "grpo.dynamic_sampling.enabled=false",  # (refused with reward_weight 0: it drops groups that carry signal)
         # The teacher computes while the policy's workers wait: the same cores, one more Ray slot each.
         "cluster.num_cpus=4", "cluster.teacher.cpus_per_worker=2"], work, stop_at=target)
     out = {"teacher_accuracy": teacher_acc, "target": target, "methods": {}}

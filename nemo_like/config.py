@@ -310,6 +310,10 @@ class MasterConfig(UserImports):
         if t.objective == "topk" and self.policy.backend != "hf":
             raise ValueError(f"teacher.objective=topk: the student's policy.backend={self.policy.backend!r} cannot "
                              "give the top-k tokens' log-probs to the loss; use teacher.objective=reverse_kl")
+        if t.reward_weight == 0 and self.grpo.dynamic_sampling.enabled:
+            raise ValueError("teacher.reward_weight=0 with grpo.dynamic_sampling.enabled: dynamic sampling drops the "
+                             "groups whose rewards are all equal, which still carry the teacher's signal (and draws "
+                             "more prompts for nothing); set grpo.dynamic_sampling.enabled=false")
         if t.reward_weight == 0 and t.kl_coef == 0:
             raise ValueError("teacher: kl_coef and reward_weight are both 0, so nothing trains the policy; set "
                              "teacher.kl_coef (distillation) or teacher.reward_weight (the environments' rewards)")

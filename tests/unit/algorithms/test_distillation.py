@@ -136,8 +136,10 @@ def test_config_refuses_a_missing_teacher_and_a_run_that_trains_nothing(tmp_path
     with pytest.raises(ConfigError, match="teacher.model_name.*(not|no )"):
         load_config(CONFIG, [f"teacher.model_name={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match="teacher: kl_coef and reward_weight are both 0"):
-        load_config(CONFIG, ["teacher.model_name=some/hub-id", "teacher.kl_coef=0"])
+        load_config(CONFIG, ["teacher.model_name=some/hub-id", "teacher.kl_coef=0", "grpo.dynamic_sampling.enabled=false"])
+    with pytest.raises(ConfigError, match="set grpo.dynamic_sampling.enabled=false"):  # the recipe's DAPO, inherited
+        load_config(CONFIG, ["teacher.model_name=some/hub-id"])
     with pytest.raises(ConfigError, match="teacher.objective"):
         load_config(CONFIG, ["teacher.model_name=some/hub-id", "teacher.objective=forward"])
-    cfg = load_config(CONFIG, ["teacher.model_name=some/hub-id"])
+    cfg = load_config(CONFIG, ["teacher.model_name=some/hub-id", "grpo.dynamic_sampling.enabled=false"])
     assert cfg.run_roles()["teacher"] and cfg.teacher.objective == "reverse_kl"
