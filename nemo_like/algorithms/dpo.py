@@ -44,7 +44,7 @@ from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
 from nemo_like.utils.stats import paired_change
 
-__all__ = ["DPOConfig", "accuracy_line", "load_dpo_config", "tokenize_dpo_pairs", "train_dpo"]
+__all__ = ["DPOConfig", "accuracy_line", "dpo_step", "load_dpo_config", "tokenize_dpo_pairs", "train_dpo"]
 
 DPO_ROLES = {"policy": "the policy DPO trains"}
 _OTHER_ROLES = {"generation": "DPO generates only for its held-out check, on the policy's workers; remove the key",
@@ -172,7 +172,7 @@ def _seq_logprobs(policy: Any, data: BatchedDataDict) -> torch.Tensor:
 def evaluate_pairs(policy: Any, val: dict[str, torch.Tensor], ref: torch.Tensor, cfg: DPOLossConfig
                    ) -> dict[str, float]:
     """Held-out pairs at the current weights: ``val/pair_accuracy`` (the chosen side's reward is
-    higher), ``val/reward_margin``, ``val/loss``, ``val/chosen_reward``, ``val/rejected_reward``."""
+    higher; a tie counts half), ``val/reward_margin``, ``val/loss``, ``val/chosen_reward``, ``val/rejected_reward``."""
     _, m = dpo_terms(_seq_logprobs(policy, _rows(val)), ref, val["token_mask"].sum(1), cfg)
     return {"val/pair_accuracy": m["reward_accuracy"], "val/reward_margin": m["reward_margin"], "val/loss": m["loss"],
             "val/chosen_reward": m["chosen_reward"], "val/rejected_reward": m["rejected_reward"]}
@@ -215,6 +215,25 @@ def accuracy_line(result: dict[str, Any]) -> str:
     a0, a1 = sum(before) / len(before), sum(after) / len(after)
     return (f"held-out greedy accuracy: {a0:.1%} at step 0 -> {a1:.1%} at step {result['steps']} "
             f"({(a1 - a0) * 100:+.1f} points; {paired_change(before, after)}; {len(before)} problems)")
+
+
+def dpo_step(policy: Any, train: dict[str, torch.Tensor], ref: torch.Tensor, n_tokens: torch.Tensor,
+             pairs: list[int], cfg: DPOLossConfig, loss_fn: DPOLossFn) -> dict[str, float]:
+    """One optimizer step on ``pairs`` (indices into ``train``, ``tokenize_dpo_pairs``' layout): the
+    ``train/`` metrics of dpo_terms and the policy's pass, ``timing/logprobs`` and ``timing/step``."""
+    ts = time.perf_counter()
+    rows = [2 * p + k for p in pairs for k in (0, 1)]
+    batch = _rows(train, rows)
+    # The step's weights' log-probs give the loss and each sequence's weight (dpo_loss.py).
+    weights, m = dpo_terms(_seq_logprobs(policy, batch), ref[rows], n_tokens[rows], cfg)
+    t_lp = time.perf_counter() - ts
+    batch["dpo_weight"] = weights
+    batch["sample_mask"] = torch.ones(len(rows))
+    tm = policy.train(batch, loss_fn)
+    metrics = {f"train/{k}": v for k, v in m.items()}
+    metrics |= {f"train/{k}": tm[k] for k in ("grad_norm", "lr", "computed_tokens_ratio", "padding_efficiency")
+                if k in tm}
+    return metrics | {"timing/logprobs": t_lp, "timing/step": time.perf_counter() - ts}
 
 
 def train_dpo(cfg: DPOConfig) -> dict[str, Any]:
@@ -261,20 +280,9 @@ def train_dpo(cfg: DPOConfig) -> dict[str, Any]:
         loss_fn = DPOLossFn()
         t0, step_seconds = time.perf_counter(), []
         for step, (epoch, pairs) in run.steps(batches):
-            ts = time.perf_counter()
-            rows = [2 * p + k for p in pairs for k in (0, 1)]
-            batch = _rows(train, rows)
-            # The step's weights' log-probs give the loss and each sequence's weight (dpo_loss.py).
-            weights, m = dpo_terms(_seq_logprobs(policy, batch), ref_train[rows], n_tokens[rows], cfg.dpo)
-            t_lp = time.perf_counter() - ts
-            batch["dpo_weight"] = weights
-            batch["sample_mask"] = torch.ones(len(rows))
-            tm = policy.train(batch, loss_fn)
-            metrics = {f"train/{k}": v for k, v in m.items()}
-            metrics |= {f"train/{k}": tm[k] for k in ("grad_norm", "lr", "computed_tokens_ratio",
-                                                         "padding_efficiency") if k in tm}
-            step_seconds.append(time.perf_counter() - ts)
-            metrics |= {"train/epoch": float(epoch), "timing/logprobs": t_lp, "timing/step": step_seconds[-1]}
+            metrics = dpo_step(policy, train, ref_train, n_tokens, pairs, cfg.dpo, loss_fn)
+            step_seconds.append(metrics["timing/step"])
+            metrics["train/epoch"] = float(epoch)
             if (t.val_period and step % t.val_period == 0) or run.is_last(step):
                 state["last"], state["last_val"] = evaluate_pairs(policy, val, ref_val, cfg.dpo), step
                 if run.is_last(step) and problems:

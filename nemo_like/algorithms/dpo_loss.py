@@ -83,7 +83,7 @@ def dpo_terms(seq_logprobs: torch.Tensor, ref_seq_logprobs: torch.Tensor, n_toke
     """For one batch of pairs (chosen at even rows, rejected at odd; [2P] each): ``dpo_weight`` [2P],
     each sequence's ``d(sum of pair losses)/d s_i`` (what ``DPOLossFn`` takes), and the metrics of
     the batch: ``loss`` (the mean pair loss), ``reward_accuracy`` (share of pairs whose chosen
-    reward is higher), ``reward_margin``, ``chosen_reward``, ``rejected_reward`` (means)."""
+    reward is higher, a tie counting half), ``reward_margin``, ``chosen_reward``, ``rejected_reward`` (means)."""
     if seq_logprobs.shape != ref_seq_logprobs.shape or seq_logprobs.numel() % 2:
         raise ValueError(f"paired sequence log-probs need equal, even shapes; got {tuple(seq_logprobs.shape)} and "
                          f"{tuple(ref_seq_logprobs.shape)}")
@@ -91,7 +91,9 @@ def dpo_terms(seq_logprobs: torch.Tensor, ref_seq_logprobs: torch.Tensor, n_toke
     loss, chosen, rejected = _pair_losses(s, ref_seq_logprobs.double(), n_tokens.double().clamp(min=1), cfg)
     (weight,) = torch.autograd.grad(loss.sum(), s)
     margin = chosen - rejected
-    return weight.float(), {"loss": float(loss.detach().mean()), "reward_accuracy": float((margin > 0).double().mean()),
+    # A tie counts half (chance): at the reference every margin is 0, which is no preference either way.
+    accuracy = (margin > 0).double() + 0.5 * (margin == 0).double()
+    return weight.float(), {"loss": float(loss.detach().mean()), "reward_accuracy": float(accuracy.mean()),
                             "reward_margin": float(margin.mean()), "chosen_reward": float(chosen.mean()),
                             "rejected_reward": float(rejected.mean())}
 

@@ -81,7 +81,8 @@ def test_the_surrogate_gradient_is_dpos_gradient(tiny, cfg):
     if cfg.loss_type == "ipo":
         chosen, rejected = chosen / n[0::2], rejected / n[1::2]
     assert metrics["reward_margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5)
-    assert metrics["reward_accuracy"] == float((chosen > rejected).float().mean())
+    assert metrics["reward_accuracy"] == float((chosen > rejected).float().mean())  # no ties here
+    assert dpo_terms(ref, ref, n, cfg)[1]["reward_accuracy"] == 0.5  # at the reference: all ties, chance
 
     # Every pair's sides in different micro-batches, as a length-sorted or packed plan may put them.
     loss_fn = get_loss_fn("dpo")
