@@ -1,7 +1,7 @@
 """This project's SFT trainer against TRL's SFTTrainer on identical data: seconds per step and final loss.
 
     uv run --with trl==1.16.0 benchmarks/compare_trl_sft.py [--steps 40] [--config PATH] [--warmup 3]
-        [--json PATH] [--keep DIR] [--verbose] [key=value overrides of the SFT config ...]
+        [--sequential] [--json PATH] [--keep DIR] [--verbose] [key=value overrides of the SFT config ...]
 
 Both sides read one SFT config (default: examples/configs/sft_math_tiny.yaml plus the overrides): the same
 model, the same chats, batch size, max_length, AdamW settings, gradient clipping and a constant learning
@@ -10,8 +10,10 @@ bootstrapped tiny base is built if not cached), tokenize the chats through the p
 path (``sft_data.tokenize_conversations``) and draw the project's batch order (``epoch_batches``); TRL is
 given exactly those token ids, assistant-token labels and batches in that order (no shuffle of its own);
 (2) this project (``train_sft``, the real trainer, checkpoints off) and (3) TRL's ``SFTTrainer`` each run
-in a subprocess, one after the other, with the same number of CPU threads; (4) one evaluator scores both
-saved models the same way: per-token NLL of the held-out conversations' assistant tokens (HF forward).
+in a subprocess with the same number of CPU threads; both set up side by side, then take turns, one step
+each (the first mover swaps every step), so a load that changes on a shared machine changes under both
+alike (``--sequential``: one whole side after the other); (4) one evaluator scores both saved models the
+same way: per-token NLL of the held-out conversations' assistant tokens (HF forward).
 
 Seconds per step: the project's is the driver's wall time of ``policy.train`` for the step (Ray round
 trip, batch sharding, forward, backward, optimizer); TRL's from ``on_step_begin`` to ``on_step_end`` (its
@@ -95,21 +97,55 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # (2) this project, (3) TRL: each in its own process
 # ------------------------------------------------------------------------------------------------
-def role_ours(args: argparse.Namespace, work: Path) -> None:
-    from nemo_like.algorithms.sft import train_sft
+class _Turns:
+    """A child's side of the lockstep: wait for "go" before a step, say "done" after it (no-ops when the
+    run is sequential)."""
+
+    def __init__(self, go: int | None, done: int | None):
+        self.go, self.done = go, done
+
+    def wait_go(self) -> None:
+        if self.go is not None and os.read(self.go, 1) != b"G":
+            sys.exit("compare_trl_sft: the orchestrator went away")
+
+    def say_done(self) -> None:
+        if self.done is not None:
+            os.write(self.done, b"D")
+
+
+def role_ours(args: argparse.Namespace, work: Path, turns: _Turns) -> None:
+    import nemo_like.algorithms.sft as sft
+
+    steps_fn = sft.sft_steps
+
+    def in_turns(policy, batches, *, after_step=None, **kw):
+        # Each step waits for its turn; its time (policy.train) starts after the wait.
+        def gated():
+            for item in batches:
+                turns.wait_go()
+                yield item
+
+        def done(step, m):
+            turns.say_done()
+            if after_step is not None:
+                after_step(step, m)
+
+        return steps_fn(policy, gated(), after_step=done, **kw)
+
+    sft.sft_steps = in_turns
 
     spec = json.loads((work / "spec.json").read_text())
     cfg = _config(args.config, args.overrides + [f"policy.model_name={spec['model_dir']}",
                                                  f"logger.log_dir={work / 'ours_logs'}", "logger.stdout_enabled=false",
                                                  "logger.tensorboard_enabled=false", f"output_dir={work / 'ours_model'}"],
                   args.steps)
-    r = train_sft(cfg)
+    r = sft.train_sft(cfg)
     (work / "ours.json").write_text(json.dumps({"seconds": [h["seconds"] for h in r["history"]],
                                                 "loss": [h["loss"] for h in r["history"]],
                                                 "val_loss": r["last"].get("val/loss")}))
 
 
-def role_trl(args: argparse.Namespace, work: Path) -> None:
+def role_trl(args: argparse.Namespace, work: Path, turns: _Turns) -> None:
     import torch
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
@@ -126,10 +162,12 @@ def role_trl(args: argparse.Namespace, work: Path) -> None:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
+            turns.wait_go()
             t0[0] = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             seconds.append(time.perf_counter() - t0[0])
+            turns.say_done()
 
         def on_log(self, _args, state, control, logs=None, **k):
             if logs and "loss" in logs:
@@ -189,18 +227,54 @@ def held_out_nll(model_dir: str, rows: list[dict[str, list[int]]], threads: int)
     return total / count
 
 
-def _child(role: str, args: argparse.Namespace, work: Path) -> float:
-    cmd = [sys.executable, __file__, "--_role", role, "--_work", str(work), "--config", args.config,
-           "--steps", str(args.steps)] + (["--verbose"] if args.verbose else []) + args.overrides
-    log = work / f"{role}.log"
-    print(f"[compare_trl_sft] {role}: started (load average {os.getloadavg()[0]:.1f}; log {log})", flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=None if args.verbose else fh, stderr=subprocess.STDOUT if not args.verbose
-                            else None, cwd=ROOT).returncode
-    if rc != 0:
-        sys.exit(f"[compare_trl_sft] {role} failed (exit {rc}); see {log}:\n" + log.read_text()[-3000:])
-    return time.perf_counter() - t0
+class _Child:
+    """One side in its own subprocess; with ``lockstep`` a go pipe and a done pipe."""
+
+    def __init__(self, role: str, args: argparse.Namespace, work: Path, lockstep: bool):
+        self.role, self.log = role, work / f"{role}.log"
+        cmd = [sys.executable, __file__, "--_role", role, "--_work", str(work), "--config", args.config,
+               "--steps", str(args.steps)] + (["--verbose"] if args.verbose else [])
+        self.go_w = self.done_r = None
+        fds: tuple[int, ...] = ()
+        if lockstep:
+            go_r, self.go_w = os.pipe()
+            self.done_r, done_w = os.pipe()
+            fds = (go_r, done_w)
+            cmd += ["--_go", str(go_r), "--_done", str(done_w)]
+        print(f"[compare_trl_sft] {role}: started (load average {os.getloadavg()[0]:.1f}; log {self.log})", flush=True)
+        self.t0 = time.perf_counter()
+        self._fh = None if args.verbose else open(self.log, "w")  # noqa: SIM115 (open for the child's lifetime)
+        self.proc = subprocess.Popen(cmd + args.overrides, stdout=self._fh, cwd=ROOT, pass_fds=fds,
+                                     stderr=subprocess.STDOUT if self._fh else None)
+        for fd in fds:  # the child's ends: closed here, so a child that dies reads as EOF
+            os.close(fd)
+
+    def step(self) -> None:
+        os.write(self.go_w, b"G")
+        if os.read(self.done_r, 1) != b"D":
+            self.wait()
+
+    def wait(self) -> float:
+        rc = self.proc.wait()
+        for fd in (self.go_w, self.done_r):
+            if fd is not None:
+                os.close(fd)
+        self.go_w = self.done_r = None
+        if self._fh:
+            self._fh.close()
+        if rc != 0:
+            sys.exit(f"[compare_trl_sft] {self.role} failed (exit {rc}); see {self.log}:\n" + self.log.read_text()[-3000:])
+        return time.perf_counter() - self.t0
+
+
+def _run_sides(args: argparse.Namespace, work: Path, steps: int) -> dict[str, float]:
+    if args.sequential:
+        return {role: _Child(role, args, work, False).wait() for role in ("ours", "trl")}
+    sides = [_Child(role, args, work, True) for role in ("ours", "trl")]
+    for step in range(steps):
+        for side in sides if step % 2 == 0 else sides[::-1]:
+            side.step()
+    return {side.role: side.wait() for side in sides}
 
 
 def _stats(seconds: list[float], warmup: int) -> dict[str, float]:
@@ -216,24 +290,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--sequential", action="store_true", help="one whole side after the other, not in turns")
+    p.add_argument("--_go", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_done", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_role", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_work", default=None, help=argparse.SUPPRESS)
     args, overrides = p.parse_known_args(argv)
     args.overrides = overrides
     if args._role:
-        {"ours": role_ours, "trl": role_trl}[args._role](args, Path(args._work))
+        {"ours": role_ours, "trl": role_trl}[args._role](args, Path(args._work), _Turns(args._go, args._done))
         return 0
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="compare_trl_sft_")
     work = Path(args.keep or tmp.name)
     work.mkdir(parents=True, exist_ok=True)
     spec = prepare(args, work)
-    wall = {role: _child(role, args, work) for role in ("ours", "trl")}
+    wall = _run_sides(args, work, spec["steps"])
     ours, trl = (json.loads((work / f"{r}.json").read_text()) for r in ("ours", "trl"))
     val = {"ours": held_out_nll(str(work / "ours_model"), spec["val"], spec["threads"]),
            "trl": held_out_nll(str(work / "trl_model"), spec["val"], spec["threads"])}
     so, st = _stats(ours["seconds"], args.warmup), _stats(trl["seconds"], args.warmup)
     result = {"config": args.config, "overrides": args.overrides, "steps": spec["steps"], "global_batch_size": spec["gbs"],
               "max_length": spec["max_length"], "threads": spec["threads"], "packing_ours": spec["packing"],
+              "lockstep": not args.sequential,
               "trl_version": trl["version"], "train_conversations": spec["train_conversations"],
               "val_conversations": spec["val_conversations"],
               "ours": {"s_per_step_mean": so["mean"], "s_per_step_median": so["median"], "first_loss": ours["loss"][0],
@@ -243,7 +321,8 @@ def main(argv: list[str]) -> int:
               "ratio_mean": so["mean"] / st["mean"], "ratio_median": so["median"] / st["median"]}
     print(f"\n[compare_trl_sft] {spec['steps']} steps of {spec['gbs']} conversations (max_length {spec['max_length']}, "
           f"{spec['threads']} threads, project packing {'on' if spec['packing'] else 'off'}; TRL {trl['version']}, "
-          f"padded batches); first {args.warmup} steps left out of the times")
+          f"padded batches; {'one after the other' if args.sequential else 'taking turns, one step each'}); "
+          f"first {args.warmup} steps left out of the times")
     print(f"{'':8}{'s/step mean':>13}{'median':>9}{'step-1 loss':>13}{'last loss':>11}{'held-out NLL':>14}")
     for name in ("ours", "trl"):
         r = result[name]
