@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_like.algorithms.dpo_loss import DPOLossConfig, DPOLossFn, dpo_terms, sequence_logprobs
+from nemo_like.algorithms.dpo_loss import DPOLossConfig, DPOLossFn, DPOPairLossFn, dpo_terms, sequence_logprobs
 from nemo_like.algorithms.rm import RMDataConfig, load_pairs, resolve_model
 from nemo_like.algorithms.trainer_base import OfflineRun, epoch_batches, load_trainer_config
 from nemo_like.config_sections import ClusterConfig
@@ -40,11 +40,12 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.environments.math_environment import verify_math_answer
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.packing import attention_cost_ratio, plan_microbatches
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
 from nemo_like.utils.stats import paired_change
 
-__all__ = ["DPOConfig", "accuracy_line", "dpo_step", "load_dpo_config", "tokenize_dpo_pairs", "train_dpo"]
+__all__ = ["DPOConfig", "accuracy_line", "attention_ratio", "dpo_step", "load_dpo_config", "tokenize_dpo_pairs", "train_dpo"]
 
 DPO_ROLES = {"policy": "the policy DPO trains"}
 _OTHER_ROLES = {"generation": "DPO generates only for its held-out check, on the policy's workers; remove the key",
@@ -217,23 +218,48 @@ def accuracy_line(result: dict[str, Any]) -> str:
             f"({(a1 - a0) * 100:+.1f} points; {paired_change(before, after)}; {len(before)} problems)")
 
 
+def attention_ratio(model_dir: str, trust_remote_code: bool = False) -> float:
+    """The model's ``attention_cost_ratio``: what packing's planner weighs rows with (as the worker does)."""
+    from transformers import AutoConfig
+
+    return attention_cost_ratio(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
+
+
+def _one_micro_batch(policy: Any, batch: BatchedDataDict, ratio: float) -> bool:
+    """The worker computes this batch in a single forward pass: one worker, and its plan (the same
+    pure function the worker calls on the same tensors) is one micro-batch, so every pair is whole in it."""
+    return policy.world_size == 1 and len(plan_microbatches(batch, policy.cfg, policy.cfg.train_micro_batch_size,
+                                                            ratio)) == 1
+
+
 def dpo_step(policy: Any, train: dict[str, torch.Tensor], ref: torch.Tensor, n_tokens: torch.Tensor,
-             pairs: list[int], cfg: DPOLossConfig, loss_fn: DPOLossFn) -> dict[str, float]:
+             pairs: list[int], cfg: DPOLossConfig, ratio: float) -> dict[str, float]:
     """One optimizer step on ``pairs`` (indices into ``train``, ``tokenize_dpo_pairs``' layout): the
-    ``train/`` metrics of dpo_terms and the policy's pass, ``timing/logprobs`` and ``timing/step``."""
+    ``train/`` metrics (DPO's loss and rewards at the weights the step trains, and the training pass's),
+    ``timing/logprobs`` and ``timing/step``. One pass (``DPOPairLossFn``) when ``dpo.one_pass`` and the
+    step is one micro-batch on one worker; else a log-prob pass, then the surrogate (``DPOLossFn``)."""
     ts = time.perf_counter()
     rows = [2 * p + k for p in pairs for k in (0, 1)]
     batch = _rows(train, rows)
-    # The step's weights' log-probs give the loss and each sequence's weight (dpo_loss.py).
-    weights, m = dpo_terms(_seq_logprobs(policy, batch), ref[rows], n_tokens[rows], cfg)
-    t_lp = time.perf_counter() - ts
-    batch["dpo_weight"] = weights
     batch["sample_mask"] = torch.ones(len(rows))
-    tm = policy.train(batch, loss_fn)
+    if cfg.one_pass and _one_micro_batch(policy, batch, ratio):
+        batch["pair_index"] = torch.arange(len(rows)) // 2
+        batch["pair_side"] = torch.arange(len(rows)) % 2
+        batch["reference_seq_logprobs"], batch["response_tokens"] = ref[rows], n_tokens[rows].float()
+        tm = policy.train(batch, DPOPairLossFn(cfg))
+        m = {"loss": tm["dpo_loss"]} | {k: tm[k] for k in ("reward_accuracy", "reward_margin", "chosen_reward",
+                                                           "rejected_reward")}
+        t_lp, one = 0.0, 1.0
+    else:
+        # The step's weights' log-probs give the loss and each sequence's weight (dpo_loss.py).
+        weights, m = dpo_terms(_seq_logprobs(policy, batch), ref[rows], n_tokens[rows], cfg)
+        t_lp, one = time.perf_counter() - ts, 0.0
+        batch["dpo_weight"] = weights
+        tm = policy.train(batch, DPOLossFn())
     metrics = {f"train/{k}": v for k, v in m.items()}
     metrics |= {f"train/{k}": tm[k] for k in ("grad_norm", "lr", "computed_tokens_ratio", "padding_efficiency")
                 if k in tm}
-    return metrics | {"timing/logprobs": t_lp, "timing/step": time.perf_counter() - ts}
+    return metrics | {"train/one_pass": one, "timing/logprobs": t_lp, "timing/step": time.perf_counter() - ts}
 
 
 def train_dpo(cfg: DPOConfig) -> dict[str, Any]:
@@ -277,10 +303,10 @@ def train_dpo(cfg: DPOConfig) -> dict[str, Any]:
             run.logger.log_metrics(state["first"] | {"timing/reference": time.perf_counter() - tr}, step=0)
         ref_train, ref_val = state["ref_train"], state["ref_val"]
         n_tokens = train["token_mask"].sum(1)
-        loss_fn = DPOLossFn()
+        ratio = attention_ratio(model_dir, cfg.policy.trust_remote_code)
         t0, step_seconds = time.perf_counter(), []
         for step, (epoch, pairs) in run.steps(batches):
-            metrics = dpo_step(policy, train, ref_train, n_tokens, pairs, cfg.dpo, loss_fn)
+            metrics = dpo_step(policy, train, ref_train, n_tokens, pairs, cfg.dpo, ratio)
             step_seconds.append(metrics["timing/step"])
             metrics["train/epoch"] = float(epoch)
             if (t.val_period and step % t.val_period == 0) or run.is_last(step):

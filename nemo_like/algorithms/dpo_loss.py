@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.algorithms.policy_losses import register_loss
 
-__all__ = ["DPOLossConfig", "DPOLossFn", "dpo_terms", "sequence_logprobs"]
+__all__ = ["DPOLossConfig", "DPOLossFn", "DPOPairLossFn", "dpo_terms", "sequence_logprobs"]
 
 
 class DPOLossConfig(BaseModel):
@@ -51,6 +51,9 @@ class DPOLossConfig(BaseModel):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     # Weight of the chosen side's per-token NLL added to the loss (RPO); 0: none.
     sft_weight: float = Field(0.0, ge=0)
+    # When a step's pairs are one micro-batch on one worker, compute DPO's loss in the training pass
+    # itself (DPOPairLossFn), without the log-prob pass before it; false: always the two passes.
+    one_pass: bool = True
 
 
 def sequence_logprobs(token_logprobs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
@@ -128,4 +131,40 @@ class DPOLossFn:
         return loss, {"loss": float(loss.detach())}
 
 
+class DPOPairLossFn:
+    """One pass: DPO's loss itself, when both sides of every pair are in this micro-batch (the trainer
+    uses it only when a step's pairs are one micro-batch on one worker). Reads ``pair_index`` and
+    ``pair_side`` (0 chosen, 1 rejected) [B], ``reference_seq_logprobs`` [B] and ``response_tokens``
+    [B]; returns ``sum of pair losses * 2 / global_valid_seqs`` (the mean over the batch's pairs) and
+    the pairs' metrics (``dpo_loss``, ``reward_accuracy``, ``reward_margin``, ``chosen_reward``,
+    ``rejected_reward``, means over this micro-batch's pairs). ValueError when a pair is split."""
+
+    loss_type = "sequence"
+
+    def __init__(self, config: DPOLossConfig) -> None:
+        self.config = config
+
+    def __call__(self, curr_logprobs: torch.Tensor, data: Mapping[str, Any], global_valid_seqs: torch.Tensor | float,
+                 global_valid_toks: torch.Tensor | float) -> tuple[torch.Tensor, dict[str, float]]:
+        dev, dt = curr_logprobs.device, curr_logprobs.dtype
+        mask = data["token_mask"].to(dev, dt)
+        s = (torch.where(mask != 0, curr_logprobs, torch.zeros_like(curr_logprobs)) * mask).sum(dim=1)
+        key = data["pair_index"].long().to(dev) * 2 + data["pair_side"].long().to(dev)
+        order = torch.argsort(key)
+        k = key[order]
+        if len(k) % 2 or bool((k[0::2] % 2 != 0).any()) or not torch.equal(k[0::2] + 1, k[1::2]):
+            raise ValueError("the dpo_pair loss needs both sides of every pair in one micro-batch; train with "
+                             "dpo.one_pass=false")
+        ref = data["reference_seq_logprobs"].to(dev, torch.float64)[order]
+        n = data["response_tokens"].to(dev, torch.float64)[order].clamp(min=1)
+        losses, chosen, rejected = _pair_losses(s[order].double(), ref, n, self.config)
+        loss = (losses.sum() * (2.0 / float(global_valid_seqs))).to(dt)
+        margin = chosen - rejected
+        accuracy = (margin > 0).double() + 0.5 * (margin == 0).double()
+        return loss, {"loss": float(loss.detach()), "dpo_loss": float(losses.detach().mean()),
+                      "reward_accuracy": float(accuracy.mean()), "reward_margin": float(margin.mean()),
+                      "chosen_reward": float(chosen.mean()), "rejected_reward": float(rejected.mean())}
+
+
 register_loss("dpo", DPOLossFn)
+register_loss("dpo_pair", DPOPairLossFn)

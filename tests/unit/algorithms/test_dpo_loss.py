@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_like.algorithms.dpo import load_dpo_config
-from nemo_like.algorithms.dpo_loss import DPOLossConfig, DPOLossFn, dpo_terms, sequence_logprobs
+from nemo_like.algorithms.dpo_loss import DPOLossConfig, DPOLossFn, DPOPairLossFn, dpo_terms, sequence_logprobs
 from nemo_like.algorithms.policy_losses import get_loss_fn
 from nemo_like.config import ConfigError
 from nemo_like.models.policy.hf_worker import token_logprobs
@@ -76,7 +76,7 @@ def test_the_surrogate_gradient_is_dpos_gradient(tiny, cfg):
     with torch.no_grad():
         s0 = sequence_logprobs(_lp(model, ids, lengths), mask)
     weights, metrics = dpo_terms(s0, ref, n, cfg)
-    assert metrics["loss"] == pytest.approx(float(direct), rel=1e-5)
+    assert metrics["loss"] == pytest.approx(float(direct.detach()), rel=1e-5)
     chosen, rejected = cfg.beta * (s0[0::2] - ref[0::2]), cfg.beta * (s0[1::2] - ref[1::2])
     if cfg.loss_type == "ipo":
         chosen, rejected = chosen / n[0::2], rejected / n[1::2]
@@ -88,17 +88,39 @@ def test_the_surrogate_gradient_is_dpos_gradient(tiny, cfg):
     loss_fn = get_loss_fn("dpo")
     assert isinstance(loss_fn, DPOLossFn) and loss_fn.loss_type == "sequence"
     model.zero_grad()
-    total = 0.0
     for part in ([0, 3, 5, 6], [1, 2, 4, 7]):
         data = {"token_mask": mask[part], "sample_mask": torch.ones(len(part)), "dpo_weight": weights[part]}
         loss, _ = loss_fn(_lp(model, ids[part], lengths[part]), data, float(len(ids)), float(n.sum()))
         loss.backward()
-        total += float(loss)
     got = [p.grad for p in params]
     scale = max(float(w.abs().max()) for w in want)
     assert scale > 1e-4  # the comparison means something
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_the_one_pass_loss_is_dpo_with_the_pairs_in_any_order(tiny):
+    cfg = DPOLossConfig(beta=0.5, sft_weight=0.5)
+    ids, lengths, mask = _pairs(tiny.config.vocab_size)
+    n = mask.sum(1)
+    ref = torch.randn(len(ids), generator=torch.Generator().manual_seed(2)) - 10
+    tiny.zero_grad()
+    direct = _direct(sequence_logprobs(_lp(tiny, ids, lengths), mask), ref, n, cfg)
+    direct.backward()
+    want = [p.grad.clone() for p in tiny.parameters()]
+    tiny.zero_grad()
+    perm = torch.tensor([5, 0, 3, 6, 1, 7, 2, 4])  # sides apart and out of order
+    data = {"token_mask": mask[perm], "pair_index": perm // 2, "pair_side": perm % 2,
+            "reference_seq_logprobs": ref[perm], "response_tokens": n[perm]}
+    loss, metrics = DPOPairLossFn(cfg)(_lp(tiny, ids[perm], lengths[perm]), data, float(len(ids)), float(n.sum()))
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(direct.detach()), rel=1e-5)
+    assert metrics["dpo_loss"] == pytest.approx(float(direct.detach()), rel=1e-5)
+    for w, g in zip(want, (p.grad for p in tiny.parameters())):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+    split = {k: v[:3] for k, v in data.items()}  # pair 0's rejected side is elsewhere
+    with pytest.raises(ValueError, match="both sides of every pair in one micro-batch"):
+        DPOPairLossFn(cfg)(_lp(tiny, ids[perm[:3]], lengths[perm[:3]]), split, 8.0, 40.0)
 
 
 def test_a_masked_sample_adds_nothing():

@@ -13,14 +13,14 @@ from nemo_like.algorithms.dpo import DPOConfig, accuracy_line, train_dpo
 from nemo_like.data.errors import DataError
 
 
-def _cfg(model_dir, tmp_path, name: str, data: dict | None = None, **trainer) -> DPOConfig:
+def _cfg(model_dir, tmp_path, name: str, data: dict | None = None, dpo: dict | None = None, **trainer) -> DPOConfig:
     return DPOConfig.model_validate({
         "policy": {"model_name": model_dir, "train_global_batch_size": 16, "train_micro_batch_size": 16,
                    "logprob_batch_size": 64, "max_total_sequence_length": 64, "optimizer": {"lr": 3e-3},
                    "sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 1024},
                    "generation": {"max_new_tokens": 6}},
         "data": data or {"math_pairs": {"num_train": 32, "num_validation": 16}, "max_length": 40},
-        "dpo": {"beta": 0.5},
+        "dpo": {"beta": 0.5} | (dpo or {}),
         "trainer": {"num_epochs": 2, "val_period": 3} | trainer,
         "validation": {"math_problems": 12},
         "cluster": {"num_workers": 1, "cpus_per_worker": 1},
@@ -48,6 +48,16 @@ def test_a_stopped_run_resumes_to_the_same_policy(ray_session, model_dir, tmp_pa
     assert len(whole["math_before"]) == len(whole["math_after"]) == 12
     line = accuracy_line(whole)
     assert line.startswith("held-out greedy accuracy: ") and "at step 8" in line and "McNemar p" in line, line
+
+    # Each step's pairs are one packed micro-batch: trained in one pass; two passes train the same.
+    assert all(r["train/one_pass"] == 1.0 for r in train)
+    two = train_dpo(_cfg(model_dir, tmp_path, "two", dpo={"one_pass": False}, max_steps=3))
+    two_rows = [r for r in _rows(tmp_path, "two") if "train/loss" in r]
+    assert [r["train/one_pass"] for r in two_rows] == [0.0] * 3
+    for a, b in zip(two_rows, train[:3]):
+        for k in ("train/loss", "train/reward_margin", "train/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert two["steps"] == 3
 
     cut = train_dpo(_cfg(model_dir, tmp_path, "cut", max_steps=5))  # saves at 2, 4 and 5 (its last)
     assert cut["steps"] == 5
