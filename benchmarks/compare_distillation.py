@@ -1,7 +1,8 @@
 """On-policy distillation against GRPO from the same student: held-out accuracy against training time.
 
     uv run benchmarks/compare_distillation.py [--work tiny|smollm2|all] [--distill-steps N] [--val-period N]
-        [--val-samples N] [--teacher-cache DIR] [--json PATH] [--keep DIR] [key=value overrides for both arms ...]
+        [--val-samples N] [--teacher-cache DIR] [--distill KEY=VALUE ...] [--json PATH] [--keep DIR]
+        [key=value overrides for both arms ...]
 
     uv run benchmarks/compare_distillation.py --work tiny --json results/compare_distillation.json
 
@@ -12,8 +13,10 @@ Per work, two arms from the same student (the recipe's base model), each in its 
    trained model is the **teacher** (exported to ``--teacher-cache``, reused by a later run with the
    same recipe and overrides: the GRPO arm's curve is then read from the cache too), and its final
    held-out accuracy is the teacher's accuracy.
-2. **Distillation**: the same recipe and student with ``teacher.model_name`` that model (per-token
-   reverse KL, ``teacher.reward_weight=0``: the rewards are graded and logged, never trained on),
+2. **Distillation**: the same recipe and student with ``teacher.model_name`` that model (the top-k
+   objective as examples/configs/distill_math_tiny.yaml has it: the forward KL over the teacher's 16
+   most likely tokens and the rest as one bucket; ``--distill teacher.objective=reverse_kl`` for the
+   per-token reverse KL; ``teacher.reward_weight=0``: the rewards are graded and logged, never trained on),
    validated as often, stopped once it is within 2 points of the teacher or after ``--distill-steps``.
 
 Time is training time: the sum of the steps' ``timing/total`` (generation, grading, log-probs, the
@@ -123,7 +126,8 @@ def run_work(work_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
         f"teacher.model_name={cached / 'teacher'}", f"grpo.max_num_steps={args.distill_steps}",
         "grpo.dynamic_sampling.enabled=false",  # (refused with reward_weight 0: it drops groups that carry signal)
         # The teacher computes while the policy's workers wait: the same cores, one more Ray slot each.
-        "cluster.num_cpus=4", "cluster.teacher.cpus_per_worker=2"], work, stop_at=target)
+        "cluster.num_cpus=4", "cluster.teacher.cpus_per_worker=2", "teacher.objective=topk", "teacher.topk_k=16",
+        *args.distill], work, stop_at=target)
     out = {"teacher_accuracy": teacher_acc, "target": target, "methods": {}}
     for name, c in (("grpo", grpo), ("distillation", distill)):
         hit = first_reaching(c, target)
@@ -155,6 +159,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--val-period", type=int, default=10, help="validate every this many steps (default 10)")
     ap.add_argument("--val-samples", type=int, default=500, help="held-out problems (default 500)")
     ap.add_argument("--teacher-cache", default=str(Path.home() / ".cache" / "nemo_like" / "distill_teachers"))
+    ap.add_argument("--distill", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for the distillation arm only (repeatable), e.g. teacher.kl_coef=4")
     ap.add_argument("--json", default=None, help="write the table's numbers here")
     ap.add_argument("--keep", default=None, help="keep the arms' logs in this folder")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)

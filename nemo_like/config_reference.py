@@ -22,7 +22,10 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from nemo_like.algorithms.dpo import DPOConfig
 from nemo_like.algorithms.policy_losses import LOSSES, POLICY_LOSSES
+from nemo_like.algorithms.rm import RMConfig
+from nemo_like.algorithms.sft import SFTConfig
 from nemo_like.config import MasterConfig, inheritance_rules_markdown
 from nemo_like.environments.registry import ENV_REGISTRY, env_config_model
 from nemo_like.gym.config import GymMasterConfig
@@ -204,6 +207,11 @@ def render_config_reference() -> str:
     page.out.append("")
     page.rendered.clear()
     _top("Gym agents (`examples/run_grpo_gym.py`)", GymMasterConfig, page)
+    # The offline trainers: a section another run already showed with the same defaults is referred to.
+    for title, model in (("Reward-model training (`examples/run_rm.py`)", RMConfig),
+                         ("DPO (`examples/run_dpo.py`)", DPOConfig), ("SFT (`examples/run_sft.py`)", SFTConfig)):
+        page.out.append("")
+        _top(title, model, page)
     return "\n".join(line.rstrip() for line in page.out).rstrip() + "\n"
 
 

@@ -57,11 +57,13 @@ _OTHER_SECTIONS = {"generation": "rollout", "critic": "critic", "reward_model": 
 
 class DPOTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Passes over the training pairs, each in a new shuffle.
     num_epochs: int = Field(1, gt=0)
     # Steps between held-out pair evaluations (0: only at the start and the end).
     val_period: int = Field(10, ge=0)
     # Stop after this many optimizer steps (None: every whole global batch of every epoch).
     max_steps: int | None = Field(None, gt=0)
+    # Seed of the epochs' shuffles and of the policy's initialisation (LoRA adapters).
     seed: int = 0
 
 

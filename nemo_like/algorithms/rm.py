@@ -39,8 +39,11 @@ class MathPairsConfig(BaseModel):
     # The share of pairs whose rejected side is the right answer made unreadable (a non-digit in it, an
     # empty box, no box) instead of a wrong number: teaches the model what the verifier scores 0.
     malformed: float = Field(0.0, ge=0.0, le=1.0)
+    # Pairs built from the train split's problems.
     num_train: int = Field(2000, gt=0)
+    # Held-out pairs, built from the validation split's problems.
     num_validation: int = Field(500, gt=0)
+    # Seed of the problems and of which wrong answer each pair gets.
     seed: int = 0
 
 
@@ -48,7 +51,9 @@ class RMDataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # JSONL pair files (nemo_like/data/preferences.py has the format); or math_pairs instead.
     train: str | None = None
+    # The held-out pair file (needed with train): pair accuracy and margin are measured on it.
     validation: str | None = None
+    # Pairs built from the arithmetic task instead of files.
     math_pairs: MathPairsConfig | None = None
     # Tokens per side (prompt and response rendered by the chat template); longer sides are cut, counted.
     max_length: int = Field(64, gt=1)
@@ -64,10 +69,12 @@ class RMDataConfig(BaseModel):
 
 class RMTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Passes over the training pairs, each in a new shuffle.
     num_epochs: int = Field(1, gt=0)
     val_period: int = Field(10, ge=0)  # steps between held-out evaluations (0: only at the start and end)
     # Stop after this many optimizer steps (None: every whole global batch of every epoch).
     max_steps: int | None = Field(None, gt=0)
+    # Seed of the epochs' shuffles and of the model's initialisation (the new head).
     seed: int = 0
 
 
@@ -89,6 +96,7 @@ class RMConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # model_name "bootstrap:<GRPO config>" takes that config's bootstrapped tiny base model.
     reward_model: RewardModelConfig
+    # The preference pairs: JSONL files or pairs built from the arithmetic task.
     data: RMDataConfig
     trainer: RMTrainerConfig = RMTrainerConfig()
     # The language-model run's cluster section (docs/reference/config.md, cluster.*): the reward model

@@ -36,6 +36,7 @@ __all__ = ["SFTConfig", "SFTTrainerConfig", "load_sft_config", "train_sft"]
 
 class SFTTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Passes over the training conversations, each in a new shuffle.
     num_epochs: int = Field(1, gt=0)
     # Stop after this many optimizer steps (None: every whole global batch of every epoch).
     max_steps: int | None = Field(None, gt=0)
@@ -58,6 +59,7 @@ class SFTConfig(BaseModel):
     # bootstrapped tiny base model, built if not cached); batch sizes, optimizer, scheduler, packing, LoRA
     # and chat_template as in a GRPO run.
     policy: PolicyConfig
+    # The conversations: chat JSONL files or hf: datasets (docs/guides/sft.md).
     data: SFTDataConfig
     trainer: SFTTrainerConfig = SFTTrainerConfig()
     # The language-model run's cluster section: the model trained is the policy role.

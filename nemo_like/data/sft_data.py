@@ -39,9 +39,11 @@ class SFTSourceConfig(BaseModel):
     laid out as one), read with ``split`` and ``subset``."""
 
     model_config = ConfigDict(extra="forbid")
+    # A JSON Lines file, or hf:<name> (a hub dataset, or a local folder laid out as one).
     path: str
-    # hf: datasets only: the split ("train", "test", "train[:500]") and subset (the hub's config name).
+    # hf: datasets only: the split ("train", "test", "train[:500]").
     split: str = "train"
+    # hf: datasets only: the subset (the hub's config name).
     subset: str | None = None
     # Keep at most this many conversations (the first ones).
     num_samples: int | None = Field(None, gt=0)

@@ -37,6 +37,7 @@ class RewardModelConfig(BaseModel):
 
     # HF hub id or folder of the trunk (a causal LM); the head is new unless the folder is a reward model.
     model_name: str = ""
+    # Let transformers run the model's own code from its folder (only for a model you trust).
     trust_remote_code: bool = False
     # Pairs per optimizer step, over all workers (each pair is two sequences).
     train_global_batch_size: int = Field(32, gt=0)

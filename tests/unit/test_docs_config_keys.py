@@ -1,6 +1,6 @@
 """Every config key the README and the manual name in backticks (`grpo.dynamic_sampling.enabled`,
-`policy.lora.rank=8`) is a key of a config schema: the GRPO/PPO run's, the reward-model run's or the
-gym run's. A renamed or removed key then fails here, naming the page and line, instead of staying in
+`policy.lora.rank=8`) is a key of a config schema: the GRPO/PPO run's, the reward-model, DPO or SFT
+run's, or the gym run's. A renamed or removed key then fails here, naming the page and line, instead of staying in
 the docs. docs/reference/config.md is generated from the schemas and checked by its own test. A table
 that maps other frameworks' keys to ours (a column headed ``nemo_like``) is checked in that column only.
 
@@ -14,8 +14,10 @@ import re
 from pathlib import Path
 
 from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from nemo_like.algorithms.dpo import DPOConfig
 from nemo_like.algorithms.grpo import GRPOTrainer
 from nemo_like.algorithms.rm import RMConfig
+from nemo_like.algorithms.sft import SFTConfig
 from nemo_like.config import MasterConfig, _schema_has, schema_field
 from nemo_like.experiment import GRPOExperiment
 from nemo_like.gym.config import GymMasterConfig
@@ -24,7 +26,7 @@ from nemo_like.gym.trainer import GymGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("policy", "grpo", "cluster", "data", "env", "logger", "checkpointing", "loss_fn", "critic",
-            "reward_model", "bootstrap", "trainer")
+            "reward_model", "bootstrap", "trainer", "teacher", "dpo", "validation")
 CODE = re.compile(r"`([^`\n]+)`")
 KEY = re.compile(r"^(?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 FILE_SUFFIXES = (".py", ".yaml", ".md", ".json", ".jsonl", ".safetensors", ".pt")
@@ -76,7 +78,7 @@ def _estimator_option_names() -> set[str]:
 
 def known(key: str) -> bool:
     parts = key.split(".")
-    for schema in (MasterConfig, RMConfig, GymMasterConfig):
+    for schema in (MasterConfig, RMConfig, GymMasterConfig, DPOConfig, SFTConfig):
         if not _schema_has(parts, schema):
             continue
         # grpo.* is open for the selected estimator's options: only the registered ones count here.
