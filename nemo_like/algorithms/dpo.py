@@ -31,13 +31,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.algorithms.dpo_loss import DPOLossConfig, DPOLossFn, DPOPairLossFn, dpo_terms, sequence_logprobs
 from nemo_like.algorithms.rm import RMDataConfig, load_pairs, resolve_model
-from nemo_like.algorithms.trainer_base import OfflineRun, epoch_batches, load_trainer_config
+from nemo_like.algorithms.trainer_base import (
+    OfflineRun,
+    OfflineTrainerConfig,
+    check_policy_only_cluster,
+    epoch_batches,
+    load_trainer_config,
+)
 from nemo_like.config_sections import ClusterConfig
 from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair
 from nemo_like.data.processors import render_chat, tokenize_text
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.environments.math_environment import verify_math_answer
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.packing import attention_cost_ratio, plan_microbatches
@@ -52,19 +57,10 @@ _OTHER_ROLES = {"generation": "DPO generates only for its held-out check, on the
                 "reference": "the reference log-probs are the starting policy's, computed on its workers; remove the key",
                 "critic": "there is no value model in DPO; remove the key",
                 "reward_model": "DPO learns from the pairs, with no reward model; remove the key"}
-_OTHER_SECTIONS = {"generation": "rollout", "critic": "critic", "reward_model": "reward-model scoring"}
 
 
-class DPOTrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    # Passes over the training pairs, each in a new shuffle.
-    num_epochs: int = Field(1, gt=0)
-    # Steps between held-out pair evaluations (0: only at the start and the end).
-    val_period: int = Field(10, ge=0)
-    # Stop after this many optimizer steps (None: every whole global batch of every epoch).
-    max_steps: int | None = Field(None, gt=0)
-    # Seed of the epochs' shuffles and of the policy's initialisation (LoRA adapters).
-    seed: int = 0
+class DPOTrainerConfig(OfflineTrainerConfig):
+    """How long DPO trains and how often it scores the held-out pairs."""
 
 
 class DPOValidationConfig(BaseModel):
@@ -99,13 +95,7 @@ class DPOConfig(BaseModel):
     @model_validator(mode="after")
     def _placement(self) -> DPOConfig:
         c = self.cluster
-        for section, what in _OTHER_SECTIONS.items():
-            if section in c.model_fields_set:
-                raise ValueError(f"cluster.{section}: DPO starts no {what} workers; the policy is sized by "
-                                 "cluster.num_workers, cluster.cpus_per_worker and cluster.gpus_per_worker")
-        refuse_roles_not_placed(c.roles, "DPO", DPO_ROLES, _OTHER_ROLES)
-        c.check_roles({"policy": True, "generation": False, "reference": False, "critic": False,
-                       "reward_model": False}, {})
+        check_policy_only_cluster(c, "DPO", DPO_ROLES, _OTHER_ROLES)
         gbs = self.policy.train_global_batch_size
         if gbs % 2 or gbs % c.num_workers:
             raise ValueError(f"policy.train_global_batch_size={gbs} counts sequences (two a pair): it must be even "

@@ -17,12 +17,17 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_like.algorithms.trainer_base import OfflineRun, epoch_batches, load_trainer_config
+from nemo_like.algorithms.trainer_base import (
+    OfflineRun,
+    OfflineTrainerConfig,
+    check_policy_only_cluster,
+    epoch_batches,
+    load_trainer_config,
+)
 from nemo_like.config_sections import ClusterConfig
 from nemo_like.data.errors import DataError
 from nemo_like.data.preferences import PreferencePair, load_preference_pairs, math_preference_pairs, tokenize_pairs
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.models.reward_model import RewardModelConfig
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
@@ -67,15 +72,8 @@ class RMDataConfig(BaseModel):
         return self
 
 
-class RMTrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    # Passes over the training pairs, each in a new shuffle.
-    num_epochs: int = Field(1, gt=0)
-    val_period: int = Field(10, ge=0)  # steps between held-out evaluations (0: only at the start and end)
-    # Stop after this many optimizer steps (None: every whole global batch of every epoch).
-    max_steps: int | None = Field(None, gt=0)
-    # Seed of the epochs' shuffles and of the model's initialisation (the new head).
-    seed: int = 0
+class RMTrainerConfig(OfflineTrainerConfig):
+    """How long reward-model training trains and how often it scores the held-out pairs."""
 
 
 # The reward model a reward-model run trains is its policy role: the trainer's workers, sized by
@@ -88,8 +86,6 @@ _OTHER_ROLES = {
     "generation": "nothing generates in reward-model training; remove the key",
     "critic": "there is no value model here; remove the key",
     "reference": "there is no reference model here; remove the key"}
-# Sections of the shared cluster schema that size workers this run never starts.
-_OTHER_SECTIONS = {"generation": "rollout", "critic": "critic", "reward_model": "reward-model scoring"}
 
 
 class RMConfig(BaseModel):
@@ -115,14 +111,7 @@ class RMConfig(BaseModel):
     def _placement(self) -> RMConfig:
         """Before Ray starts: the cluster sections and roles this run has, and a batch its workers split."""
         c = self.cluster
-        for section, what in _OTHER_SECTIONS.items():
-            if section in c.model_fields_set:
-                raise ValueError(f"cluster.{section}: reward-model training starts no {what} workers; the reward model "
-                                 "trained is sized by cluster.num_workers, cluster.cpus_per_worker and "
-                                 f"cluster.gpus_per_worker: set those instead of cluster.{section}")
-        refuse_roles_not_placed(c.roles, "reward-model training", RM_ROLES, _OTHER_ROLES)
-        c.check_roles({"policy": True, "generation": False, "reference": False, "critic": False,
-                       "reward_model": False}, {})
+        check_policy_only_cluster(c, "reward-model training", RM_ROLES, _OTHER_ROLES)
         gbs = self.reward_model.train_global_batch_size
         if gbs % c.num_workers:
             raise ValueError(f"reward_model.train_global_batch_size={gbs} does not divide over cluster.num_workers="

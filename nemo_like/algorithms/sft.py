@@ -18,15 +18,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from nemo_like.algorithms.rm import BOOTSTRAP_PREFIX, resolve_model
 from nemo_like.algorithms.sft_loop import sft_batch, sft_steps, validation_loss
-from nemo_like.algorithms.trainer_base import OfflineRun, epoch_batches, load_trainer_config
+from nemo_like.algorithms.trainer_base import (
+    OfflineRun,
+    OfflineTrainerConfig,
+    check_policy_only_cluster,
+    epoch_batches,
+    load_trainer_config,
+)
 from nemo_like.config_sections import ClusterConfig
 from nemo_like.data.errors import DataError
 from nemo_like.data.sft_data import SFTDataConfig, read_conversations, tokenize_conversations
-from nemo_like.distributed.resource_pools import refuse_roles_not_placed
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
@@ -34,15 +39,8 @@ from nemo_like.utils.logger import LoggerConfig
 __all__ = ["SFTConfig", "SFTTrainerConfig", "load_sft_config", "train_sft"]
 
 
-class SFTTrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    # Passes over the training conversations, each in a new shuffle.
-    num_epochs: int = Field(1, gt=0)
-    # Stop after this many optimizer steps (None: every whole global batch of every epoch).
-    max_steps: int | None = Field(None, gt=0)
-    val_period: int = Field(10, ge=0)  # steps between held-out losses (0: only at the start and the end)
-    # Seed of the epochs' shuffles and of the policy's initialisation (LoRA adapters).
-    seed: int = 0
+class SFTTrainerConfig(OfflineTrainerConfig):
+    """How long SFT trains and how often it measures the held-out loss."""
 
 
 SFT_ROLES = {"policy": "the model trained"}
@@ -50,7 +48,6 @@ _OTHER_ROLES = {"generation": "nothing generates in SFT; remove the key",
                 "critic": "there is no value model here; remove the key",
                 "reference": "SFT has no reference model; remove the key",
                 "reward_model": "SFT scores nothing; remove the key"}
-_OTHER_SECTIONS = {"generation": "rollout", "critic": "critic", "reward_model": "reward-model scoring"}
 
 
 class SFTConfig(BaseModel):
@@ -80,13 +77,7 @@ class SFTConfig(BaseModel):
             raise ValueError(f"data.max_length ({self.data.max_length}) is longer than policy.max_total_sequence_length "
                              f"({longest}), which sizes the packing budgets; raise that or lower data.max_length")
         c = self.cluster
-        for section, what in _OTHER_SECTIONS.items():
-            if section in c.model_fields_set:
-                raise ValueError(f"cluster.{section}: SFT starts no {what} workers; the model trained is sized by "
-                                 "cluster.num_workers, cluster.cpus_per_worker and cluster.gpus_per_worker")
-        refuse_roles_not_placed(c.roles, "SFT", SFT_ROLES, _OTHER_ROLES)
-        c.check_roles({"policy": True, "generation": False, "reference": False, "critic": False,
-                       "reward_model": False}, {})
+        check_policy_only_cluster(c, "SFT", SFT_ROLES, _OTHER_ROLES)
         gbs = self.policy.train_global_batch_size
         if gbs % c.num_workers:
             raise ValueError(f"policy.train_global_batch_size={gbs} does not divide over cluster.num_workers="

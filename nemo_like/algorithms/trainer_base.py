@@ -32,12 +32,12 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_like.config import ConfigError, apply_overrides, format_validation_error, load_yaml_with_provenance
-from nemo_like.config_sections import ClusterConfig
+from nemo_like.config_sections import ROLES, ClusterConfig
 from nemo_like.distributed.ray_cluster import init_ray, shutdown_ray_if_started
-from nemo_like.distributed.resource_pools import PlacementError, place_roles
+from nemo_like.distributed.resource_pools import PlacementError, place_roles, refuse_roles_not_placed
 from nemo_like.utils.checkpoint import (
     CheckpointError,
     CheckpointingConfig,
@@ -48,7 +48,8 @@ from nemo_like.utils.checkpoint import (
 from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, LoggerConfig
 
-__all__ = ["OfflineRun", "check_resumable", "epoch_batches", "load_trainer_config"]
+__all__ = ["OfflineRun", "OfflineTrainerConfig", "check_policy_only_cluster", "check_resumable", "epoch_batches",
+           "load_trainer_config"]
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -62,6 +63,38 @@ def load_trainer_config(schema: type[C], path: str | Path, overrides: list[str] 
         return schema.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"invalid config: {format_validation_error(e, provenance)}") from None
+
+
+class OfflineTrainerConfig(BaseModel):
+    """How long an offline trainer trains and how often it evaluates (``trainer:``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Passes over the training data, each in a new shuffle.
+    num_epochs: int = Field(1, gt=0)
+    # Steps between held-out evaluations (0: only at the start and the end).
+    val_period: int = Field(10, ge=0)
+    # Stop after this many optimizer steps (None: every whole global batch of every epoch).
+    max_steps: int | None = Field(None, gt=0)
+    # Seed of the epochs' shuffles and of the model's initialisation (a new head, LoRA adapters).
+    seed: int = 0
+
+
+# Sections of the language-model run's cluster schema that size workers an offline trainer never starts.
+_NO_WORKERS = {"generation": "rollout", "critic": "critic", "reward_model": "reward-model scoring",
+               "teacher": "teacher"}
+
+
+def check_policy_only_cluster(c: ClusterConfig, run: str, labels: dict[str, str], hints: dict[str, str]) -> None:
+    """The cluster section of a run whose only workers are the model it trains (the policy role):
+    ValueError naming a section that sizes workers it never starts, or a role it does not have
+    (``hints``: role -> why it has none, what to write instead)."""
+    for section, what in _NO_WORKERS.items():
+        if section in c.model_fields_set:
+            raise ValueError(f"cluster.{section}: {run} starts no {what} workers; the model it trains is sized by "
+                             "cluster.num_workers, cluster.cpus_per_worker and cluster.gpus_per_worker: set those "
+                             f"instead of cluster.{section}")
+    refuse_roles_not_placed(c.roles, run, labels, hints)
+    c.check_roles({r: r == "policy" for r in ROLES}, {})
 
 
 def epoch_batches(n_items: int, global_batch_size: int, num_epochs: int, seed: int,
