@@ -13,18 +13,10 @@ import sys
 from pathlib import Path
 
 from nemo_like.algorithms.dpo import accuracy_line, load_dpo_config, train_dpo
+from nemo_like.algorithms.trainer_base import steps_trained
 from nemo_like.cli import run_cli
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "dpo_math_tiny.yaml"
-
-
-def _trained(r: dict) -> str:
-    start, end = r["resumed_at"], r["steps"]
-    if not start:
-        return f"{end} steps"
-    if start == end:
-        return f"no step left to train (resumed at the last one, {end})"
-    return f"steps {start + 1}-{end} after resuming at step {start}"
 
 
 def run(config) -> int:
@@ -34,7 +26,7 @@ def run(config) -> int:
     speed = f" ({sum(per_step) / len(per_step):.2f} s/step)" if per_step else ""
     print(f"[nemo_like] held-out pair accuracy {first['val/pair_accuracy']:.1%} -> {last['val/pair_accuracy']:.1%} "
           f"({r['val_pairs']} pairs), reward margin {first['val/reward_margin']:.3f} -> "
-          f"{last['val/reward_margin']:.3f}; " + _trained(r) + f" on {r['train_pairs']} pairs in "
+          f"{last['val/reward_margin']:.3f}; " + steps_trained(r["resumed_at"], r["steps"]) + f" on {r['train_pairs']} pairs in "
           f"{r['seconds']:.0f} s{speed}; saved to {r['output_dir']}")
     if r["truncated_pairs"]:
         print(f"[nemo_like] {r['truncated_pairs']} pairs had a side cut to data.max_length tokens")

@@ -13,18 +13,10 @@ import sys
 from pathlib import Path
 
 from nemo_like.algorithms.rm import load_rm_config, train_reward_model
+from nemo_like.algorithms.trainer_base import steps_trained
 from nemo_like.cli import run_cli
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "rm_math_tiny.yaml"
-
-
-def _trained(r: dict) -> str:
-    start, end = r["resumed_at"], r["steps"]
-    if not start:
-        return f"{end} steps"
-    if start == end:
-        return f"no step left to train (resumed at the last one, {end})"
-    return f"steps {start + 1}-{end} after resuming at step {start}"
 
 
 def run(config) -> int:
@@ -32,7 +24,7 @@ def run(config) -> int:
     first, last = r["first"], r["last"]
     print(f"[nemo_like] held-out pair accuracy {first['val/pair_accuracy']:.1%} -> {last['val/pair_accuracy']:.1%} "
           f"({r['val_pairs']} pairs), margin {first['val/margin']:.3f} -> {last['val/margin']:.3f}; "
-          + _trained(r) + f" on {r['train_pairs']} pairs in {r['seconds']:.0f} s; saved to {r['output_dir']}")
+          + steps_trained(r["resumed_at"], r["steps"]) + f" on {r['train_pairs']} pairs in {r['seconds']:.0f} s; saved to {r['output_dir']}")
     if r["truncated_pairs"]:
         print(f"[nemo_like] {r['truncated_pairs']} pairs had a side cut to data.max_length tokens")
     return 0

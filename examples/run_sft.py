@@ -40,12 +40,11 @@ def load(path: str, overrides: list[str]) -> Any:
 
 def run_sft(config: Any) -> int:
     from nemo_like.algorithms.sft import train_sft
+    from nemo_like.algorithms.trainer_base import steps_trained
 
     r = train_sft(config)
     first, last = r["first"].get("val/loss"), r["last"].get("val/loss")
-    start, end = r["resumed_at"], r["steps"]
-    trained = (f"{end} steps" if not start else f"no step left (resumed at the last one, {end})" if start == end
-               else f"steps {start + 1}-{end} after resuming at step {start}")
+    trained = steps_trained(r["resumed_at"], r["steps"])
     held_out = (f"held-out loss {first:.4f} -> {last:.4f} per assistant token ({r['val_conversations']} "
                 "conversations); " if first is not None else "")
     print(f"[nemo_like] {held_out}{trained} on {r['train_conversations']} conversations in {r['seconds']:.0f} s; "

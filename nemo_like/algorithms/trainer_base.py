@@ -49,7 +49,7 @@ from nemo_like.utils.checkpoint_io import load_train_state, save_train_state
 from nemo_like.utils.logger import Logger, LoggerConfig
 
 __all__ = ["OfflineRun", "OfflineTrainerConfig", "check_policy_only_cluster", "check_resumable", "epoch_batches",
-           "load_trainer_config"]
+           "load_trainer_config", "steps_trained"]
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -95,6 +95,15 @@ def check_policy_only_cluster(c: ClusterConfig, run: str, labels: dict[str, str]
                              f"instead of cluster.{section}")
     refuse_roles_not_placed(c.roles, run, labels, hints)
     c.check_roles({r: r == "policy" for r in ROLES}, {})
+
+
+def steps_trained(resumed_at: int, steps: int) -> str:
+    """What a run trained, for its closing line: "60 steps", "steps 31-60 after resuming at step 30"."""
+    if not resumed_at:
+        return f"{steps} steps"
+    if resumed_at == steps:
+        return f"no step left to train (resumed at the last one, {steps})"
+    return f"steps {resumed_at + 1}-{steps} after resuming at step {resumed_at}"
 
 
 def epoch_batches(n_items: int, global_batch_size: int, num_epochs: int, seed: int,
