@@ -49,8 +49,10 @@ def test_the_student_as_its_own_teacher_agrees_token_for_token(ray_session, tmp_
     # rows of the student's pass and the teacher's line up position for position).
     assert abs(first["distill/reverse_kl"]) < 1e-4 and first["distill/teacher_logprob_mean"] < -0.01
     assert first["distill/teacher_logprob_mean"] == pytest.approx(first["distill/student_logprob_mean"], abs=1e-4)
-    assert 0 <= first["train/distill_topk_kl"] < 1e-4 and first["timing/teacher_logprobs"] > 0
-    assert second["train/distill_topk_kl"] > 0  # the adapter moved, only the student
+    assert abs(first["train/distill_topk_kl"]) < 1e-4 and first["timing/teacher_logprobs"] > 0
+    # A student that is its teacher has nothing to learn (its KL is at its minimum, the rewards weigh 0):
+    # its adapter stays at zero, and the second step agrees as the first did.
+    assert abs(second["train/distill_topk_kl"]) < 1e-4 and abs(second["distill/reverse_kl"]) < 1e-4
 
 
 def test_a_teacher_on_its_own_pool_pulls_the_student_towards_it(ray_session, tmp_path, base_model_cache, capsys):
@@ -87,7 +89,7 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_ray_starts(tmp_path, m
     tok.save_pretrained(other)
     AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(other)
     cfg = load_config(CONFIG, [f"policy.model_name={model_dir}", f"teacher.model_name={other}",
-                               "checkpointing.enabled=false"])
+                               "checkpointing.enabled=false", "grpo.dynamic_sampling.enabled=false"])
     with pytest.raises(ConfigError, match=r"teacher.model_name=.*another tokenizer than the policy's.*share a "
                                           r"tokenizer \(cross-tokenizer distillation is not supported\)"):
         setup(cfg)
