@@ -22,7 +22,7 @@ Per work, two arms from the same student (the recipe's base model), each in its 
 Time is training time: the sum of the steps' ``timing/total`` (generation, grading, log-probs, the
 teacher's pass, the update; validation left out), as benchmarks/compare_estimators.py counts it.
 "Steps / s to teacher - 2" are those of the first validation at or above the teacher's accuracy minus
-2 points. The target (issue 40): distillation gets there in at most a third of GRPO's time.
+2 points. The target: distillation gets there in at most a third of GRPO's time.
 """
 
 from __future__ import annotations
