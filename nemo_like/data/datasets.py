@@ -24,6 +24,8 @@ from nemo_like.data.errors import DataError  # re-exported: callers catch nemo_l
 from nemo_like.data.loaders import check_prompt_column, load_hub, load_local
 from nemo_like.data.processors import PROCESSOR_REGISTRY
 from nemo_like.data.reasoning_gym_tasks import ReasoningGymConfig, generate_reasoning_gym_dataset
+from nemo_like.data.textarena_tasks import TextArenaConfig
+from nemo_like.data.verifiers_tasks import VerifiersConfig
 from nemo_like.environments.reward_fn_environment import get_reward_fn
 
 OPERATORS = ("+", "-", "*")
@@ -181,10 +183,11 @@ def _generator_kind(value: Any) -> str | None:
     return value.get("kind", "arithmetic") if isinstance(value, dict) else getattr(value, "kind", None)
 
 
-GENERATOR_KINDS = ("arithmetic", "tool", "code", "reasoning_gym")
+GENERATOR_KINDS = ("arithmetic", "tool", "code", "reasoning_gym", "textarena", "verifiers")
 GeneratorConfig = Annotated[
     Annotated[ArithmeticConfig, Tag("arithmetic")] | Annotated[ToolTasksGeneratorConfig, Tag("tool")]
-    | Annotated[CodeTasksGeneratorConfig, Tag("code")] | Annotated[ReasoningGymConfig, Tag("reasoning_gym")],
+    | Annotated[CodeTasksGeneratorConfig, Tag("code")] | Annotated[ReasoningGymConfig, Tag("reasoning_gym")]
+    | Annotated[TextArenaConfig, Tag("textarena")] | Annotated[VerifiersConfig, Tag("verifiers")],
     Discriminator(_generator_kind, custom_error_type="generator_kind",
                   custom_error_message=f"generator.kind must be one of {', '.join(GENERATOR_KINDS)}")]
 
@@ -194,6 +197,14 @@ def _generate(gen: GeneratorConfig) -> datasets.Dataset:
         return generate_arithmetic_dataset(gen)
     if isinstance(gen, ReasoningGymConfig):
         return generate_reasoning_gym_dataset(gen)
+    if isinstance(gen, TextArenaConfig):  # imports textarena (an extra) only when it is used
+        from nemo_like.data.textarena_tasks import generate_textarena_dataset
+
+        return generate_textarena_dataset(gen)
+    if isinstance(gen, VerifiersConfig):
+        from nemo_like.data.verifiers_tasks import generate_verifiers_dataset
+
+        return generate_verifiers_dataset(gen)
     if isinstance(gen, ToolTasksGeneratorConfig):
         from nemo_like.data.tool_tasks import generate_tool_dataset
 
@@ -251,7 +262,8 @@ class DatasetConfig(BaseModel):
     split: str = "train"
     # hf: datasets: the subset (the hub's config name, e.g. gsm8k's "main"); None: the dataset's only one.
     subset: str | None = None
-    # A procedural generator instead of a file (kind: arithmetic, the default, tool, code or reasoning_gym).
+    # A procedural generator instead of a file (kind: arithmetic, the default, tool, code, reasoning_gym), or
+    # another library's tasks (kind: textarena games, verifiers environments' datasets).
     generator: GeneratorConfig | None = None
     num_samples: int | None = Field(default=None, gt=0)  # keep at most this many rows (the first ones)
     # Column holding the question (renamed to "problem"): text, or a conversation (a list of

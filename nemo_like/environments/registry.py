@@ -37,6 +37,10 @@ ENV_REGISTRY: Registry[type] = Registry("environment", check=_check_env_class, b
     "reward_fn": "nemo_like.environments.reward_fn_environment.RewardFnEnvironment",
     "reasoning_gym": "nemo_like.environments.reasoning_gym_environment.ReasoningGymEnvironment",
     "agent": "nemo_like.environments.agent_environment.AgentEnvironment",
+    # Environments of other libraries and services (docs/guides/environments.md).
+    "verifiers": "nemo_like.environments.verifiers_environment.VerifiersEnvironment",
+    "textarena": "nemo_like.environments.textarena_environment.TextArenaEnvironment",
+    "http": "nemo_like.environments.http_environment.HttpEnvironment",
 })
 
 
