@@ -4,11 +4,21 @@ Entries may be classes or import paths ("pkg.mod.Class" or "pkg.mod:Class"). Imp
 resolved only when an environment is requested, so registering the built-ins costs nothing:
 importing this module does not import sympy (math) or any sandbox machinery (code/tool), and
 a user can register "my_pkg.my_env.MyEnvironment" before my_pkg is even importable here.
+
+Installed packages add environments through the entry-point group ``nemo_like.environments``
+(``my_env = "my_pkg.env:MyEnvironment"`` in their pyproject.toml), so installing one makes its
+names work in a config with no ``imports:``. The group is read on the first lookup, not on import
+(reading every installed package's metadata costs ~40 ms, and grader subprocesses import this
+module), and each package is imported only when one of its environments is asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, overload
 
 from nemo_like.utils.registry import Registry
@@ -16,8 +26,17 @@ from nemo_like.utils.registry import Registry
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-__all__ = ["ENV_REGISTRY", "register_env", "get_env_class", "env_config_model", "create_env_actor",
-           "registered_envs"]
+__all__ = ["ENV_REGISTRY", "ENTRY_POINT_GROUP", "EnvRegistry", "EnvironmentLoadError", "register_env",
+           "get_env_class", "env_config_model", "create_env_actor", "registered_envs", "builtin_envs",
+           "entry_point_package"]
+
+ENTRY_POINT_GROUP = "nemo_like.environments"
+
+
+class EnvironmentLoadError(ImportError, ValueError):
+    """An environment from an installed package that cannot be loaded. An ``ImportError`` for the
+    callers that already treat an unimportable environment as such; a ``ValueError`` so that config
+    validation reports it as one line about the config, before Ray starts."""
 
 
 def _check_env_class(name: str, obj: Any) -> None:
@@ -29,8 +48,191 @@ def _check_env_class(name: str, obj: Any) -> None:
         raise TypeError(f"environment {name!r}: class {obj.__qualname__} has no step() method")
 
 
+def _entry_points(group: str) -> list[Any]:
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=group))
+
+
+def _package_of(ep: Any) -> str:
+    """"name version" of the distribution that declares ``ep``."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "an unknown package"
+    name = dist.metadata["Name"] if dist.metadata is not None else None
+    return f"{name or getattr(dist, 'name', '?')} {dist.version}"
+
+
+def _target_of(ep: Any) -> str | None:
+    """The import path an entry point names ("pkg.mod:Class" or "pkg.mod.Class"; extras ignored)."""
+    path = f"{ep.module}:{ep.attr}" if ep.attr else ep.module
+    module, _, attr = path.replace(":", ".").rpartition(".")
+    if not module or not attr or not all(p.isidentifier() for p in f"{module}.{attr}".split(".")):
+        return None
+    return path
+
+
+class EnvRegistry(Registry[type]):
+    """The environment registry: built-ins, names registered in code (``register_env``, modules in
+    ``imports:``) and the entry points of installed packages (``group``), read once, on first use.
+
+    An entry point never replaces a name that is already taken (a built-in, or a name registered in
+    code before the group was read): it is skipped with a warning naming its package. One that cannot
+    be loaded (its module fails to import, its target is not an environment class) raises
+    :class:`EnvironmentLoadError` naming the package when that name is looked up, and only then: a
+    run that does not use it never imports it."""
+
+    def __init__(self, *, group: str | None = ENTRY_POINT_GROUP, builtins: dict[str, str] | None = None) -> None:
+        self._builtins = dict(builtins or {})
+        self._group = group
+        self._discovery = threading.RLock()  # reentrant: reading the group registers through this registry
+        self._discovered = True  # until the built-ins are in: they are registered through ``register``
+        self._packages: dict[str, tuple[str, str]] = {}  # entry-point name -> ("package version", import path)
+        self._broken: dict[str, str] = {}  # entry-point name -> why it cannot be loaded
+        super().__init__("environment", check=_check_env_class, builtins=builtins)
+        self._discovered = group is None
+
+    # ---- the entry points ---------------------------------------------------------------------
+    def _discover(self) -> None:
+        if self._discovered:
+            return
+        with self._discovery:
+            if self._discovered:
+                return
+            self._discovered = True  # set first: registering below comes back through here
+            try:
+                found = _entry_points(self._group)  # type: ignore[arg-type]
+            except Exception as e:  # a corrupt installed package's metadata must not end every run
+                warnings.warn(f"cannot read the {self._group!r} entry points of the installed packages: "
+                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+                return
+            # In package order: which of two packages that claim one name wins must not depend on sys.path.
+            for ep in sorted(found, key=lambda e: (_package_of(e), e.name)):
+                self._add_entry_point(ep)
+
+    def _add_entry_point(self, ep: Any) -> None:
+        name, package, target = ep.name, _package_of(ep), _target_of(ep)
+        where = f"environment entry point {name!r} of package {package}"
+        if target is None or not name.strip():
+            warnings.warn(f"{where} is skipped: {ep.value!r} is not an import path 'pkg.module:ClassName'",
+                          RuntimeWarning, stacklevel=2)
+            return
+        with self._lock:
+            old = self._entries.get(name)
+        if old is not None:
+            if _same_path(old, target):
+                return  # the package also registers it in code: the same environment twice
+            owner = ("a built-in environment" if name in self._builtins
+                     else f"taken by package {self._packages[name][0]}" if name in self._packages
+                     else f"registered in code to {_describe(old)}")
+            warnings.warn(f"{where} ({target}) is skipped: {name!r} is {owner}, which is kept; the package "
+                          "must use another name", RuntimeWarning, stacklevel=2)
+            return
+        Registry.register(self, name, target)
+        self._packages[name] = (package, target)
+
+    def package(self, name: str) -> str | None:
+        """"package version" of the installed package whose entry point provides ``name``, or None."""
+        self._discover()
+        entry = self._packages.get(name)
+        return entry[0] if entry else None
+
+    def builtin_names(self) -> list[str]:
+        return sorted(self._builtins)
+
+    def _load_entry_point(self, name: str, package: str, target: str) -> None:
+        """Import an entry point's class; ``EnvironmentLoadError`` naming the package when it cannot be."""
+        if name in self._broken:
+            raise EnvironmentLoadError(self._broken[name])
+        module_name, _, attr = target.replace(":", ".").rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except (Exception, SystemExit) as e:  # anything the package's module raises while importing
+            detail = f"importing {module_name} raised {type(e).__name__}: {e}"
+        else:
+            obj = getattr(module, attr, None)
+            if obj is None:
+                detail = f"module {module_name} has no attribute {attr!r}"
+            elif not isinstance(obj, type):
+                detail = f"{attr} is a {type(obj).__name__}, not an environment class"
+            elif not callable(getattr(obj, "step", None)):
+                detail = f"class {obj.__qualname__} has no step() method"
+            else:
+                return
+        self._broken[name] = (f"environment {name!r} of the installed package {package} ({target}) cannot be "
+                              f"loaded: {detail}; fix or uninstall that package, or use another env_name")
+        raise EnvironmentLoadError(self._broken[name])
+
+    # ---- the Registry, with the entry points read first -----------------------------------------
+    def register(self, name: str, target: Any = None, *, overwrite: bool = False, options: Any = None) -> Any:
+        # Read the group first: that a package's name is taken must not depend on whether something
+        # looked an environment up before this call.
+        self._discover()
+        entry = self._packages.get(name)
+        if entry is not None and target is not None and not overwrite and not _same_path(target, entry[1]):
+            raise ValueError(f"environment {name!r} is already registered by the installed package {entry[0]} "
+                             f"({entry[1]}); pass overwrite=True to replace it with {_describe(target)}")
+        out = super().register(name, target, overwrite=overwrite, options=options)
+        if entry is not None and target is not None and not _same_path(target, entry[1]):
+            self._packages.pop(name, None)  # replaced in code: no longer the package's
+            self._broken.pop(name, None)
+        return out
+
+    def unregister(self, name: str) -> None:
+        self._discover()
+        super().unregister(name)
+        self._packages.pop(name, None)
+        self._broken.pop(name, None)
+
+    def get(self, name: str) -> type:
+        self._discover()
+        entry = self._packages.get(name)
+        if entry is not None:
+            with self._lock:
+                unresolved = isinstance(self._entries.get(name), str)
+            if unresolved:
+                self._load_entry_point(name, *entry)
+        return super().get(name)
+
+    def names(self) -> list[str]:
+        self._discover()
+        return super().names()
+
+    def items(self) -> list[tuple[str, Any]]:
+        self._discover()
+        return super().items()
+
+    def options(self, name: str) -> Any:
+        self._discover()
+        return super().options(name)
+
+    def __contains__(self, name: object) -> bool:
+        self._discover()
+        return super().__contains__(name)
+
+    @contextmanager
+    def isolated(self) -> Iterator[EnvRegistry]:
+        self._discover()  # read before the block: what the packages provide must outlive it
+        saved = dict(self._packages), dict(self._broken)
+        with super().isolated():
+            try:
+                yield self
+            finally:
+                self._packages, self._broken = dict(saved[0]), dict(saved[1])
+
+
+def _describe(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    return _describe(a).replace(":", ".") == _describe(b).replace(":", ".")
+
+
 # Tests and notebooks keep their registrations local with ``with ENV_REGISTRY.isolated(): ...``.
-ENV_REGISTRY: Registry[type] = Registry("environment", check=_check_env_class, builtins={
+ENV_REGISTRY = EnvRegistry(builtins={
     "math": "nemo_like.environments.math_environment.MathEnvironment",
     "code": "nemo_like.environments.code_environment.CodeEnvironment",
     "tool": "nemo_like.environments.tool_environment.ToolEnvironment",
@@ -64,8 +266,19 @@ def register_env(
 
 
 def registered_envs() -> list[str]:
-    """Sorted names of all registered environments."""
+    """Sorted names of all registered environments (with those of installed packages)."""
     return ENV_REGISTRY.names()
+
+
+def builtin_envs() -> list[str]:
+    """Sorted names of the environments that ship with nemo_like (the config reference documents these:
+    what else is installed differs from one machine to the next)."""
+    return ENV_REGISTRY.builtin_names()
+
+
+def entry_point_package(name: str) -> str | None:
+    """"package version" of the installed package that provides the environment ``name``, or None."""
+    return ENV_REGISTRY.package(name)
 
 
 def get_env_class(name: str) -> type:
