@@ -39,9 +39,9 @@ from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
-from nemo_like.experience.agent_rollouts import AgentServer, is_agent_env, run_agent_rollout
+from nemo_like.experience.agent_rollouts import AgentServer, is_agent_env, rollout_with_agents
 from nemo_like.experience.env_waves import EnvTimes
-from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_parts, run_split_rollout
+from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout, run_split_rollout
 from nemo_like.experience.samples import sample_rows
 from nemo_like.models.generation.backends import backend_capabilities
 from nemo_like.utils.checkpoint import (
@@ -344,19 +344,10 @@ class GRPOTrainer:
                 max_seq_len=cfg.policy.max_total_sequence_length, greedy=greedy, step_timeouts=limits,
                 step_concurrency=step_concurrency(task_envs), env_times=self.env_times)
 
-        # Agent tasks (env.agent): their programs drive generation through the run's OpenAI server;
-        # the other tasks' samples roll out beside them, each part on its own thread and tokenizer.
-        agents = sorted(t for t, e in task_envs.items() if is_agent_env(e) and t in batch["task_name"])
-        if not agents:
-            batch, metrics = env_rollout(batch)
-        else:
-            server = self._agent_server()
-            parts = [[i for i, t in enumerate(batch["task_name"]) if t == a] for a in agents]
-            parts.append([i for i, t in enumerate(batch["task_name"]) if t not in agents])
-            runs = [lambda b, a=a: run_agent_rollout(server, self.envs[a], b, copy.deepcopy(tokenizer), greedy=greedy,
-                                                     max_seq_len=cfg.policy.max_total_sequence_length)
-                    for a in agents] + [lambda b: env_rollout(b, copy.deepcopy(tokenizer))]
-            batch, metrics = run_parts(batch, runs, parts)
+        # Agent tasks (env.agent, env.verifiers): their programs drive generation through the run's OpenAI
+        # server; the other tasks' samples roll out beside them.
+        batch, metrics = rollout_with_agents(batch, task_envs, self.envs, env_rollout, self._agent_server, tokenizer,
+                                             greedy=greedy, max_seq_len=cfg.policy.max_total_sequence_length)
         if with_rm and self.rm_scorer is not None:  # training samples (and ReMax's baseline), not validation
             batch, rm_metrics = self.rm_scorer.apply(batch)
             metrics |= rm_metrics
@@ -365,11 +356,8 @@ class GRPOTrainer:
     def _agent_server(self) -> AgentServer:
         """The run's OpenAI-compatible server for agent programs, started at the first agent rollout."""
         if self.agent_server is None:
-            opts = next((o or {} for e, o in self.config.env.items() if is_agent_env(e)), {})
-            self.agent_server = AgentServer(self.generator, copy.deepcopy(self.tokenizer),
-                                            context_length=self.config.policy.max_total_sequence_length,
-                                            host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0),
-                                            version_fn=lambda: self.step_count)
+            self.agent_server = AgentServer.for_run(self.config, self.generator, self.tokenizer,
+                                                    version_fn=lambda: self.step_count)
             self._resources.append(self.agent_server.close)
         return self.agent_server
 

@@ -15,8 +15,10 @@ last run of joined turns, and counts the turns left out in ``agent/turns_dropped
 
 from __future__ import annotations
 
+import copy
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -24,6 +26,7 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.registry import get_env_class
+from nemo_like.experience.rollouts import run_parts
 from nemo_like.serve.engines import BatchingEngine
 from nemo_like.serve.server import ServerHandle, start_server
 
@@ -52,6 +55,14 @@ class AgentServer:
         except Exception:
             self.engine.close()
             raise
+
+    @classmethod
+    def for_run(cls, config: Any, generator: Any, tokenizer: Any, *, version_fn: Any) -> AgentServer:
+        """The server of a GRPO run (``MasterConfig``): bound where the first agent environment's options
+        (``env.<name>.host``/``port``) say, sampling up to the policy's context length."""
+        opts = next((o or {} for e, o in config.env.items() if is_agent_env(e)), {})
+        return cls(generator, copy.deepcopy(tokenizer), context_length=config.policy.max_total_sequence_length,
+                   host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0), version_fn=version_fn)
 
     def close(self) -> None:
         self.handle.stop()
@@ -139,3 +150,23 @@ def run_agent_rollout(server: AgentServer, actor: Any, batch: BatchedDataDict, t
                "unterminated_rate": 0.0, "generation_s": wall} | counts
     metrics |= {k: sum(v) / len(v) for k, v in extra.items()}
     return out, metrics
+
+
+def rollout_with_agents(batch: BatchedDataDict, task_envs: dict[str, str], envs: dict[str, Any],
+                        env_rollout: Callable[..., tuple[BatchedDataDict, dict[str, float]]],
+                        server: Callable[[], AgentServer], tokenizer: Any, *, greedy: bool,
+                        max_seq_len: int) -> tuple[BatchedDataDict, dict[str, float]]:
+    """``batch`` rolled out: the samples of agent tasks (``task_envs`` maps task -> environment name) by
+    their environments' programs through ``server()`` (started on first need), the rest by
+    ``env_rollout(batch, tokenizer)``; each part on its own thread with its own tokenizer (a fast
+    tokenizer must not be shared between threads)."""
+    agents = sorted(t for t, e in task_envs.items() if is_agent_env(e) and t in batch["task_name"])
+    if not agents:
+        return env_rollout(batch, tokenizer)
+    srv = server()
+    parts = [[i for i, t in enumerate(batch["task_name"]) if t == a] for a in agents]
+    parts.append([i for i, t in enumerate(batch["task_name"]) if t not in agents])
+    runs = [lambda b, a=a: run_agent_rollout(srv, envs[a], b, copy.deepcopy(tokenizer), greedy=greedy,
+                                             max_seq_len=max_seq_len)
+            for a in agents] + [lambda b: env_rollout(b, copy.deepcopy(tokenizer))]
+    return run_parts(batch, runs, parts)
