@@ -56,20 +56,21 @@ def _entry_points(group: str) -> list[Any]:
 
 def _package_of(ep: Any) -> str:
     """"name version" of the distribution that declares ``ep``."""
-    dist = getattr(ep, "dist", None)
-    if dist is None:
+    try:
+        return f"{ep.dist.metadata['Name'] or ep.dist.name} {ep.dist.version}"
+    except Exception:  # no distribution (an entry point made by hand) or unreadable metadata
         return "an unknown package"
-    name = dist.metadata["Name"] if dist.metadata is not None else None
-    return f"{name or getattr(dist, 'name', '?')} {dist.version}"
 
 
 def _target_of(ep: Any) -> str | None:
-    """The import path an entry point names ("pkg.mod:Class" or "pkg.mod.Class"; extras ignored)."""
-    path = f"{ep.module}:{ep.attr}" if ep.attr else ep.module
-    module, _, attr = path.replace(":", ".").rpartition(".")
+    """The import path an entry point names ("pkg.mod:Class" or "pkg.mod.Class"; extras ignored), or None."""
+    value = str(ep.value).split("[", 1)[0].strip()  # "pkg.mod:Class [extra]"
+    module, colon, attr = value.partition(":")
+    if not colon:
+        module, _, attr = value.rpartition(".")
     if not module or not attr or not all(p.isidentifier() for p in f"{module}.{attr}".split(".")):
         return None
-    return path
+    return f"{module}:{attr}"
 
 
 class EnvRegistry(Registry[type]):
@@ -108,7 +109,11 @@ class EnvRegistry(Registry[type]):
                 return
             # In package order: which of two packages that claim one name wins must not depend on sys.path.
             for ep in sorted(found, key=lambda e: (_package_of(e), e.name)):
-                self._add_entry_point(ep)
+                try:
+                    self._add_entry_point(ep)
+                except Exception as e:  # one package's odd metadata must not hide the others
+                    warnings.warn(f"environment entry point {getattr(ep, 'name', '?')!r} of package "
+                                  f"{_package_of(ep)} is skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
 
     def _add_entry_point(self, ep: Any) -> None:
         name, package, target = ep.name, _package_of(ep), _target_of(ep)
