@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nemo_like.environments.env_config import EnvConfig
-from nemo_like.environments.registry import ENV_REGISTRY, builtin_envs, entry_point_package
+from nemo_like.environments.registry import ENV_REGISTRY, entry_point_package
 
 __all__ = ["EnvInfo", "KeyInfo", "describe_env", "catalog", "format_catalog", "main"]
 
@@ -37,7 +37,7 @@ class KeyInfo:
 @dataclass
 class EnvInfo:
     name: str
-    source: str  # "built-in", "package <name> <version>", "registered by <module>"
+    source: str  # "built-in", "package <name> <version>" or "registered in code" (register_env, imports:)
     target: str  # the class's import path
     summary: str = ""  # the first line of the class's docstring
     checked: bool = False  # whether it declares a config_model (env.<name> is validated)
@@ -89,11 +89,8 @@ def _source(name: str) -> str:
     package = entry_point_package(name)
     if package is not None:
         return f"package {package}"
-    if name in builtin_envs():
-        return "built-in"
-    target = dict(ENV_REGISTRY.items()).get(name)
-    module = target.replace(":", ".").rpartition(".")[0] if isinstance(target, str) else getattr(target, "__module__", "?")
-    return f"registered by {module}"
+    # A built-in's name registered again with another class (overwrite=True) is the code's now.
+    return "built-in" if ENV_REGISTRY.is_builtin(name) else "registered in code"
 
 
 def describe_env(name: str) -> EnvInfo:

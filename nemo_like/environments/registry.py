@@ -145,6 +145,12 @@ class EnvRegistry(Registry[type]):
     def builtin_names(self) -> list[str]:
         return sorted(self._builtins)
 
+    def is_builtin(self, name: str) -> bool:
+        """Whether ``name`` is a built-in that still has its own class (not replaced in code)."""
+        with self._lock:
+            current = self._entries.get(name)
+        return name in self._builtins and current is not None and _same_path(current, self._builtins[name])
+
     def _load_entry_point(self, name: str, package: str, target: str) -> None:
         """Import an entry point's class; ``EnvironmentLoadError`` naming the package when it cannot be."""
         if name in self._broken:
