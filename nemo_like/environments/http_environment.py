@@ -12,7 +12,7 @@ results, a reward that is not a finite number) leaves only the samples it carrie
 reward: advantage 0, out of every baseline), counted in the step's metrics with the first error of
 each kind printed once. A service that does not answer its health check when the run starts is a
 one-line start error naming the URL. With ``command`` the run starts the service itself on a free
-port and stops it with the environment.
+port, starts it again if it exits, and stops it with the environment.
 
 Standard library only, no torch at import time (config validation imports this module).
 """
@@ -201,8 +201,9 @@ class HttpEnvironment(EnvironmentInterface):
     Never raises from :meth:`step`: what a request costs is counted per sample in ``num_timeouts``,
     ``num_connection_errors``, ``num_bad_responses``, ``num_service_errors`` (an HTTP error status, or a
     result that names an error) and ``num_bad_inputs`` (a message log that is not a list of messages),
-    all of them in ``num_unscorable``; ``num_retries`` counts retried requests. The service's own
-    metrics are passed through (counters named ``num_*`` add up over requests, others are averaged).
+    all of them in ``num_unscorable``; ``num_retries`` counts retried requests, ``num_service_restarts``
+    the started services that had exited and were started again. The service's own metrics are passed
+    through (counters named ``num_*`` add up over requests, others are averaged).
     """
 
     config_model: ClassVar[type[EnvConfig]] = HttpEnvConfig
@@ -218,21 +219,46 @@ class HttpEnvironment(EnvironmentInterface):
         self._proc: subprocess.Popen | None = None
         self._output: deque[str] = deque(maxlen=20)
         self._pool: ThreadPoolExecutor | None = None
-        url = cfg.url
+        self._restart_lock = threading.Lock()
         try:
             if cfg.command is not None:
-                port = _free_port()
-                url = (url or "http://127.0.0.1:{port}").replace("{port}", str(port))
-                self._proc = self._start(cfg.command, port)
-                self._finalizer = weakref.finalize(self, _stop, self._proc)
-            assert url is not None
-            self.url = url.rstrip("/")
-            self._https, self._host, self._port, self._prefix = _parse_url(self.url)
+                self._launch()
+            else:
+                assert cfg.url is not None
+                self._set_url(cfg.url)
             self._health_check()
         except BaseException:
             self.shutdown()
             raise
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="http-env")
+
+    def _set_url(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self._https, self._host, self._port, self._prefix = _parse_url(self.url)
+
+    def _launch(self) -> None:
+        """Start env.http.command on a free port and point the URL at it."""
+        assert self._cfg.command is not None
+        port = _free_port()
+        self._set_url((self._cfg.url or "http://127.0.0.1:{port}").replace("{port}", str(port)))
+        self._proc = self._start(self._cfg.command, port)
+        self._finalizer = weakref.finalize(self, _stop, self._proc)
+
+    def _revive(self) -> int:
+        """A started service that exited is started again, as Ray restarts a dead actor: 1 if it was."""
+        with self._restart_lock:  # the step calls that find it dead at once restart it once
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                return 0
+            print(f"[nemo_like] http environment: env.http.command exited with code {proc.returncode} (its last "
+                  f"output: {self._last_output()}); starting it again", flush=True)
+            self._finalizer.detach()
+            self._launch()
+            self._health_check()
+            return 1
+
+    def _last_output(self) -> str:
+        return next((line for line in reversed(self._output) if line.strip()), "none")
 
     # ------------------------------------------------------------------------------------ service
     def _start(self, command: str | list[str], port: int) -> subprocess.Popen:
@@ -249,11 +275,11 @@ class HttpEnvironment(EnvironmentInterface):
                                         stderr=subprocess.STDOUT, text=True, errors="replace",
                                         preexec_fn=_die_with_parent)
             except OSError as e:
-                started["error"] = e
-                ready.set()
-                return
+                proc = e
             started["proc"] = proc
             ready.set()
+            if isinstance(proc, OSError):
+                return
             assert proc.stdout is not None
             for line in proc.stdout:  # the service's output, in the run's log with the actor's prefix
                 self._output.append(line.rstrip())
@@ -262,8 +288,8 @@ class HttpEnvironment(EnvironmentInterface):
 
         threading.Thread(target=keep, name="http-env-service", daemon=True).start()
         ready.wait()
-        if "error" in started:
-            raise RuntimeError(f"env.http.command {shlex.join(argv)!r} could not start: {started['error']}")
+        if isinstance(started["proc"], OSError):
+            raise RuntimeError(f"env.http.command {shlex.join(argv)!r} could not start: {started['proc']}")
         return started["proc"]
 
     def _health_check(self) -> None:
@@ -274,9 +300,8 @@ class HttpEnvironment(EnvironmentInterface):
             while True:
                 rc = self._proc.poll()
                 if rc is not None:
-                    last = next((line for line in reversed(self._output) if line.strip()), "no output")
                     raise RuntimeError(f"env.http.command exited with code {rc} before {where} answered; "
-                                       f"its last output: {last}")
+                                       f"its last output: {self._last_output()}")
                 try:
                     self._check_health_once(min(cfg.timeout_s, max(deadline - time.monotonic(), 0.1)))
                     return
@@ -325,9 +350,7 @@ class HttpEnvironment(EnvironmentInterface):
         try:
             conn.connect()
             sock = conn.sock
-            headers = {"Accept": "application/json"}
-            if body is not None:
-                headers["Content-Type"] = "application/json"
+            headers = {"Accept": "application/json"} | ({"Content-Type": "application/json"} if body else {})
             sock.settimeout(left())
             conn.request(method, self._prefix + path, body=body, headers=headers)
             sock.settimeout(left())
@@ -345,7 +368,7 @@ class HttpEnvironment(EnvironmentInterface):
             return resp.status, b"".join(chunks)
         except TimeoutError:
             raise _CallError("timeouts", f"no complete answer within env.http.timeout_s={self._cfg.timeout_s:g} s") from None
-        except (ConnectionError, http.client.IncompleteRead, OSError) as e:
+        except (OSError, http.client.IncompleteRead) as e:
             # refused, reset, dropped before the answer ended: the service may be (re)starting
             raise _CallError("connection_errors", f"{type(e).__name__}: {e}".rstrip(": "), retryable=True) from None
         except http.client.HTTPException as e:
@@ -388,17 +411,22 @@ class HttpEnvironment(EnvironmentInterface):
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[dict]) -> EnvironmentReturn:
         batch, meta = normalize_step_inputs(message_log_batch, metadata)
         n = len(batch)
-        rewards = [math.nan] * n
-        terminateds = [True] * n
+        rewards, terminateds = [math.nan] * n, [True] * n
         observations = [{"role": "environment", "content": ""} for _ in range(n)]
         stops: list[list[str] | None] = [None] * n
         new_meta = list(meta)
         counts = dict.fromkeys(_KINDS, 0)
         service: dict[str, list[tuple[float, int]]] = {}
-        retries = 0
+        retries = restarts = 0
+        todo = range(n)
+        try:
+            restarts = self._revive()
+        except Exception as e:  # it did not come back: this call's samples are lost, the next call tries again
+            counts["connection_errors"], todo = n, range(0)
+            self._report("connection_errors", n, str(e))
         try:
             rows, samples = [], []
-            for i in range(n):
+            for i in todo:
                 try:
                     samples.append(_sample_json(batch[i], meta[i]))
                     rows.append(i)
@@ -439,6 +467,8 @@ class HttpEnvironment(EnvironmentInterface):
         out |= {f"num_{k}": float(v) for k, v in counts.items()}
         out["num_unscorable"] = float(sum(math.isnan(r) for r in rewards))
         out["num_retries"] = float(retries)
+        if self._proc is not None:
+            out["num_service_restarts"] = float(restarts)
         return EnvironmentReturn(observations=observations, metadata=new_meta, next_stop_strings=stops,
                                  rewards=torch.tensor(rewards, dtype=torch.float32),
                                  terminateds=torch.tensor(terminateds, dtype=torch.bool), metrics=out)
@@ -465,7 +495,7 @@ def _snippet(raw: bytes) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -489,5 +519,3 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    except OSError:
-        pass

@@ -257,6 +257,32 @@ def test_start_failures_are_one_line_naming_the_url(faulty_base):
         HttpEnvironment({"command": [sys.executable, "-c", "import time; time.sleep(30)"], "startup_timeout_s": 0.5})
 
 
+def test_a_started_service_that_exits_is_started_again(tmp_path, capsys):
+    """Once: the second start exits at once (code 5), which costs that step's samples, not the run."""
+    marker, server = str(tmp_path / "started"), str(ROOT / "examples/http_environment/math_server.py")
+    once = (f"import os, runpy, sys; m = {marker!r}; os.path.exists(m) and sys.exit(5); open(m, 'w').close(); "
+            f"sys.argv = ['s', '--port', os.environ['PORT']]; runpy.run_path({server!r}, run_name='__main__')")
+    env = HttpEnvironment({"command": [sys.executable, "-c", once], **FAST})
+    try:
+        logs, meta = zip(_answer(r"\boxed{5}", "5"), _answer(r"\boxed{4}", "5"))
+        assert env.step(list(logs), list(meta)).metrics["num_service_restarts"] == 0
+        os.remove(marker)
+        env._proc.kill()
+        env._proc.wait()
+        ret = env.step(list(logs), list(meta))  # started again: graded
+        assert ret.rewards.tolist() == [1.0, 0.0] and ret.metrics["num_service_restarts"] == 1
+        env._proc.kill()
+        env._proc.wait()
+        for _ in range(2):  # and now it will not start: each call tries again, its samples are lost
+            ret = env.step(list(logs), list(meta))
+            assert all(math.isnan(r) for r in ret.rewards.tolist()) and ret.metrics["num_connection_errors"] == 2
+    finally:
+        env.shutdown()
+    out = capsys.readouterr().out
+    assert out.count("env.http.command exited with code -9 (its last output: math grader listening on") == 2
+    assert out.count("exited with code 5 before GET http://127.0.0.1:") == 1  # printed once, then counted
+
+
 def test_config_errors_name_the_key():
     def err(cfg) -> str:
         with pytest.raises(ValueError) as e:
@@ -282,8 +308,6 @@ def test_a_started_service_gets_its_port_and_dies_with_its_actor(ray_session):
 
     actor = create_env_actor("http", {"command": "node examples/http_environment/math_server.js",
                                       "url": "http://127.0.0.1:{port}/"})
-    ret = ray.get(actor.step.remote(*zip(*[_answer(r"\boxed{5}", "5"), _answer(r"\boxed{4}", "5")])), timeout=60)
-    assert ret.rewards.tolist() == [1.0, 0.0]
     pid, url = ray.get(actor.__ray_call__.remote(lambda self: (self._proc.pid, self.url)), timeout=30)
     assert url.startswith("http://127.0.0.1:")
     os.kill(pid, 0)  # alive
