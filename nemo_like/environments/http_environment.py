@@ -55,7 +55,7 @@ _RETRY_STATUSES = (502, 503, 504)  # a proxy or a service that is (re)starting: 
 
 
 class HttpEnvConfig(EnvConfig):
-    """``env.http``: checked before Ray starts (see :mod:`nemo_like.environments.env_config`)."""
+    """``env.http``: a service that speaks the HTTP environment protocol (docs/reference/http_environments.md)."""
 
     # The service's base URL (http or https): its endpoints are <url>/health and <url>/step. May hold
     # {port} when env.http.command starts the service; with a command and no url: http://127.0.0.1:{port}.
