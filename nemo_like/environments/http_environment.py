@@ -220,6 +220,7 @@ class HttpEnvironment(EnvironmentInterface):
         self._output: deque[str] = deque(maxlen=20)
         self._pool: ThreadPoolExecutor | None = None
         self._restart_lock = threading.Lock()
+        self._closed = False
         try:
             if cfg.command is not None:
                 self._launch()
@@ -248,7 +249,7 @@ class HttpEnvironment(EnvironmentInterface):
         """A started service that exited is started again, as Ray restarts a dead actor: 1 if it was."""
         with self._restart_lock:  # the step calls that find it dead at once restart it once
             proc = self._proc
-            if proc is None or proc.poll() is None:
+            if proc is None or proc.poll() is None or self._closed:
                 return 0
             print(f"[nemo_like] http environment: env.http.command exited with code {proc.returncode} (its last "
                   f"output: {self._last_output()}); starting it again", flush=True)
@@ -483,6 +484,7 @@ class HttpEnvironment(EnvironmentInterface):
               f"{kind.replace('_', ' ')} are counted in num_{kind}, not printed)", flush=True)
 
     def shutdown(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._proc is not None:
