@@ -73,6 +73,21 @@ def _target_of(ep: Any) -> str | None:
     return f"{module}:{attr}"
 
 
+def _warn_about(ep: Any, message: str) -> None:
+    """A RuntimeWarning shown at the line of the package's ``entry_points.txt`` that declares ``ep``
+    (the line a warning would otherwise show is ours, and says nothing about the package)."""
+    filename, lineno = "<entry points>", 0
+    try:
+        found = [f for f in ep.dist.files or () if f.name == "entry_points.txt"]
+        if found:
+            filename = str(found[0].locate())
+            with open(filename, encoding="utf-8") as f:
+                lineno = next((i for i, line in enumerate(f, 1) if line.split("=", 1)[0].strip() == ep.name), 0)
+    except Exception:  # no files listed (a distribution made by hand), unreadable: the message alone says it
+        pass
+    warnings.warn_explicit(message, RuntimeWarning, filename, lineno, module=ENTRY_POINT_GROUP)
+
+
 class EnvRegistry(Registry[type]):
     """The environment registry: built-ins, names registered in code (``register_env``, modules in
     ``imports:``) and the entry points of installed packages (``group``), read once, on first use.
@@ -86,7 +101,8 @@ class EnvRegistry(Registry[type]):
     def __init__(self, *, group: str | None = ENTRY_POINT_GROUP, builtins: dict[str, str] | None = None) -> None:
         self._builtins = dict(builtins or {})
         self._group = group
-        self._discovery = threading.RLock()  # reentrant: reading the group registers through this registry
+        self._discovery = threading.RLock()
+        self._reading = False
         self._discovered = True  # until the built-ins are in: they are registered through ``register``
         self._packages: dict[str, tuple[str, str]] = {}  # entry-point name -> ("package version", import path)
         self._broken: dict[str, str] = {}  # entry-point name -> why it cannot be loaded
@@ -97,30 +113,35 @@ class EnvRegistry(Registry[type]):
     def _discover(self) -> None:
         if self._discovered:
             return
-        with self._discovery:
-            if self._discovered:
+        with self._discovery:  # another thread waits until every entry point is in
+            if self._discovered or self._reading:  # _reading: this thread, back here from inside
                 return
-            self._discovered = True  # set first: registering below comes back through here
+            self._reading = True
             try:
-                found = _entry_points(self._group)  # type: ignore[arg-type]
-            except Exception as e:  # a corrupt installed package's metadata must not end every run
-                warnings.warn(f"cannot read the {self._group!r} entry points of the installed packages: "
-                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
-                return
-            # In package order: which of two packages that claim one name wins must not depend on sys.path.
-            for ep in sorted(found, key=lambda e: (_package_of(e), e.name)):
-                try:
-                    self._add_entry_point(ep)
-                except Exception as e:  # one package's odd metadata must not hide the others
-                    warnings.warn(f"environment entry point {getattr(ep, 'name', '?')!r} of package "
-                                  f"{_package_of(ep)} is skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+                self._read_entry_points()
+            finally:
+                self._reading, self._discovered = False, True
+
+    def _read_entry_points(self) -> None:
+        try:
+            found = _entry_points(self._group)  # type: ignore[arg-type]
+        except Exception as e:  # a corrupt installed package's metadata must not end every run
+            warnings.warn(f"cannot read the {self._group!r} entry points of the installed packages: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            return
+        # In package order: which of two packages that claim one name wins must not depend on sys.path.
+        for ep in sorted(found, key=lambda e: (_package_of(e), e.name)):
+            try:
+                self._add_entry_point(ep)
+            except Exception as e:  # one package's odd metadata must not hide the others
+                _warn_about(ep, f"environment entry point {getattr(ep, 'name', '?')!r} of package "
+                                f"{_package_of(ep)} is skipped: {type(e).__name__}: {e}")
 
     def _add_entry_point(self, ep: Any) -> None:
         name, package, target = ep.name, _package_of(ep), _target_of(ep)
         where = f"environment entry point {name!r} of package {package}"
         if target is None or not name.strip():
-            warnings.warn(f"{where} is skipped: {ep.value!r} is not an import path 'pkg.module:ClassName'",
-                          RuntimeWarning, stacklevel=2)
+            _warn_about(ep, f"{where} is skipped: {ep.value!r} is not an import path 'pkg.module:ClassName'")
             return
         with self._lock:
             old = self._entries.get(name)
@@ -130,8 +151,8 @@ class EnvRegistry(Registry[type]):
             owner = ("a built-in environment" if name in self._builtins
                      else f"taken by package {self._packages[name][0]}" if name in self._packages
                      else f"registered in code to {_describe(old)}")
-            warnings.warn(f"{where} ({target}) is skipped: {name!r} is {owner}, which is kept; the package "
-                          "must use another name", RuntimeWarning, stacklevel=2)
+            _warn_about(ep, f"{where} ({target}) is skipped: {name!r} is {owner}, which is kept; the package "
+                            "must use another name")
             return
         Registry.register(self, name, target)
         self._packages[name] = (package, target)
