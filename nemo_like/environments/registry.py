@@ -34,9 +34,9 @@ ENTRY_POINT_GROUP = "nemo_like.environments"
 
 
 class EnvironmentLoadError(ImportError, ValueError):
-    """An environment from an installed package that cannot be loaded. An ``ImportError`` for the
-    callers that already treat an unimportable environment as such; a ``ValueError`` so that config
-    validation reports it as one line about the config, before Ray starts."""
+    """An environment that cannot be imported (a broken package, a library that is not installed). An
+    ``ImportError`` for the callers that already treat an unimportable environment as such; a
+    ``ValueError`` so that config validation reports it as one line about the config, before Ray starts."""
 
 
 def _check_env_class(name: str, obj: Any) -> None:
@@ -224,7 +224,12 @@ class EnvRegistry(Registry[type]):
                 unresolved = isinstance(self._entries.get(name), str)
             if unresolved:
                 self._load_entry_point(name, *entry)
-        return super().get(name)
+        try:
+            return super().get(name)
+        except EnvironmentLoadError:
+            raise
+        except ImportError as e:  # a built-in whose library is missing, a path registered in code
+            raise EnvironmentLoadError(str(e)) from e
 
     def names(self) -> list[str]:
         self._discover()

@@ -268,3 +268,10 @@ def test_an_installed_package_is_listed_configured_and_graded_by_its_actor(tmp_p
     assert "No module named 'nemo_like_missing_dependency'" in out["broken_env"]
     # The environment actor (a fresh process) grades with the package's class and the config's options.
     assert out["rewards"] == [1.0, 1.0, 0.5, 0.0]
+
+
+def test_any_environment_that_cannot_be_imported_is_a_load_error():
+    # A built-in whose library is missing fails config validation in one line too, not with a traceback.
+    reg = EnvRegistry(group=None, builtins={"needs_lib": "nl_ep_missing_library.env.Environment"})
+    with pytest.raises(EnvironmentLoadError, match=r"environment 'needs_lib' .*No module named 'nl_ep_missing_library'"):
+        reg.get("needs_lib")
