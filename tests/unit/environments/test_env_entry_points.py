@@ -97,7 +97,7 @@ def test_broken_entry_points_name_their_package_and_spare_the_rest(site):
         "math": "nl_ep_good:EchoEnv",  # a built-in's name
         "echo": "nl_ep_good:OtherEnv",  # a name another package declares too
         "bad": "not a path!",
-    }, {"nl_ep_boom": "import nl_ep_not_installed_dependency\n"})
+    }, {"nl_ep_boom": "open(__file__ + '.imports', 'a').write('x')\nimport nl_ep_not_installed_dependency\n"})
     reg = EnvRegistry(group=GROUP, builtins=BUILTINS)
     with pytest.warns(RuntimeWarning) as caught:
         names = reg.names()
@@ -123,6 +123,7 @@ def test_broken_entry_points_name_their_package_and_spare_the_rest(site):
         assert cause in message and "\n" not in message
     with pytest.raises(EnvironmentLoadError, match="broken-envs 0.3"):
         reg.get("boom")  # the same answer again, without importing the module a second time
+    assert (site / "nl_ep_boom.py.imports").read_text() == "x"
     assert reg.names() == names
 
 
@@ -158,9 +159,8 @@ build-backend = "setuptools.build_meta"
 '''
 
 RUN = '''
-import contextlib, io, json, sys, time, warnings
+import contextlib, io, json, warnings
 
-t0 = time.perf_counter()
 out = {}
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -171,7 +171,6 @@ with warnings.catch_warnings(record=True) as caught:
         out["list_rc"] = main(["--json", "reverse_text", "broken_env", "math"])
     out["listing"], out["list_stderr"] = json.loads(stdout.getvalue()), stderr.getvalue()
 out["warnings"] = [str(w.message) for w in caught]
-out["t_list"] = time.perf_counter() - t0
 
 import ray
 
@@ -189,15 +188,12 @@ for key, overrides in {"bad_option": ["env.reverse_text.partial_reward=2"],
     except ConfigError as e:
         out[key] = str(e)
 out["config"] = env_config(cfg, cfg.data.train)
-out["t_config"] = time.perf_counter() - t0
 init_ray()  # RAY_ADDRESS: the test session's cluster, joined as a job of its own
-out["t_ray"] = time.perf_counter() - t0
 actor = create_env_actor(cfg.data.train.env_name, out["config"])
 logs = [[{"role": "user", "content": "Spell 'hello' backwards."}, {"role": "assistant", "content": c}]
         for c in ("olleh", "OLLEH", "hello", "world")]
 ret = ray.get(actor.step.remote(logs, [{"ground_truth": "olleh"}] * 4))
 out["rewards"] = ret.rewards.tolist()
-out["t_actor"] = time.perf_counter() - t0
 print("RESULT " + json.dumps(out))
 '''
 
@@ -237,7 +233,6 @@ def test_an_installed_package_is_listed_configured_and_graded_by_its_actor(tmp_p
     proc = subprocess.run([sys.executable, "run.py"], cwd=user, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    print({k: round(v, 1) for k, v in out.items() if k.startswith("t_")})
 
     # The listing: the package's environment with its keys, their defaults and help text.
     assert out["list_rc"] == 0, out["list_stderr"]
