@@ -360,7 +360,10 @@ class MasterConfig(UserImports):
                                      f"is registered{default}; set data.{where}.processor=math for prompt-only rows "
                                      f"graded by your environment, or register_processor({processor!r}, ...); "
                                      f"registered: {PROCESSOR_REGISTRY.names()}")
-                check = getattr(get_env_class(ds.env_name), "check_dataset", None) if ds.env_name in ENV_REGISTRY else None
+                try:
+                    check = getattr(get_env_class(ds.env_name), "check_dataset", None) if ds.env_name in ENV_REGISTRY else None
+                except ImportError as e:
+                    raise ValueError(f"data.{where}.env_name (task {ds.task_name!r}): {e}") from None
                 if check is None:
                     continue
                 model = env_config_model(ds.env_name)

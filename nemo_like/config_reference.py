@@ -27,7 +27,7 @@ from nemo_like.algorithms.policy_losses import LOSSES, POLICY_LOSSES
 from nemo_like.algorithms.rm import RMConfig
 from nemo_like.algorithms.sft import SFTConfig
 from nemo_like.config import MasterConfig, inheritance_rules_markdown
-from nemo_like.environments.registry import ENV_REGISTRY, env_config_model
+from nemo_like.environments.registry import builtin_envs, env_config_model
 from nemo_like.gym.config import GymMasterConfig
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
 from nemo_like.models.policy.backends import POLICY_BACKENDS
@@ -189,7 +189,7 @@ def _options(page: _Page) -> None:
                              for n in names if registry.options(n) is not None))
     out.append(f"- `policy.backend`: {', '.join(f'`{n}`' for n in POLICY_BACKENDS.names())}")
     out += ["", "Each environment's typed config is `env.<name>`:", ""]
-    for name in ENV_REGISTRY.names():
+    for name in builtin_envs():  # what else is installed differs from one machine to the next
         model = env_config_model(name)
         if model is not None:
             page.section(f"env.{name}", model, None)
