@@ -335,18 +335,24 @@ def generate_textarena_dataset(cfg: TextArenaConfig) -> Any:
 
 
 _BRACKET = re.compile(r"\[[^\[\]]*\]")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def extract_move(text: str, move_format: str, max_chars: int) -> str:
     """The move the game is given from the model's text. ``wrap`` (TextArena's own default): the text,
     in brackets when it has none; ``last``: the last ``[...]`` in the text (a model that reasons first,
     quoting example moves, means its last one), else as ``wrap``; ``raw``: the text as it is (each game
-    reads its own format, most the first ``[...]``). Cut to ``max_chars`` either way."""
+    reads its own format, most the first ``[...]``); ``boxed``: what the last ``\\boxed{...}`` holds, in
+    brackets (a model taught to box its answers), else as ``wrap``. Cut to ``max_chars`` either way."""
     text = text.strip()
     if move_format == "last":
         found = _BRACKET.findall(text)
         if found:
             return found[-1][:max_chars]
-    if move_format in ("wrap", "last") and "[" not in text and "]" not in text:
+    if move_format == "boxed":
+        boxed = _BOXED.findall(text)
+        if boxed:
+            text = boxed[-1].strip()
+    if move_format in ("wrap", "last", "boxed") and "[" not in text and "]" not in text:
         return f"[{text[: max(max_chars - 2, 0)]}]"
     return text[:max_chars]

@@ -49,8 +49,9 @@ class TextArenaEnvConfig(EnvConfig):
     opponent: Literal["random", "first"] = "random"
     # How the move is taken from the model's message: "wrap" (TextArena's default: the text, put in
     # [brackets] when it has none), "last" (the last [...] in the text, for models that reason first),
-    # "raw" (the text as it is; the game reads its own format).
-    move_format: Literal["wrap", "last", "raw"] = "wrap"
+    # "raw" (the text as it is; the game reads its own format), "boxed" (what the last \boxed{...} holds,
+    # in brackets: for a model taught to box its answers, as the tiny default model is).
+    move_format: Literal["wrap", "last", "raw", "boxed"] = "wrap"
     # A longer move is cut to this many characters before the game reads it.
     max_move_chars: int = Field(default=200, ge=1)
 

@@ -98,7 +98,7 @@ def test_building_games_leaves_the_callers_random_stream_alone():
 @pytest.mark.parametrize("text, fmt, move", [
     ("7", "wrap", "[7]"), ("I guess [7]", "wrap", "I guess [7]"),
     ("e.g. [5]; my guess: [12]", "last", "[12]"), ("12", "last", "[12]"), (" 12 ", "raw", "12"),
-    ("x" * 50, "wrap", "[" + "x" * 18 + "]"),
+    ("x" * 50, "wrap", "[" + "x" * 18 + "]"), ("\\boxed{3} so \\boxed{ 12 }", "boxed", "[12]"), ("12", "boxed", "[12]"),
 ])
 def test_the_move_is_taken_from_the_text_as_configured(text, fmt, move):
     assert extract_move(text, fmt, 20) == move
