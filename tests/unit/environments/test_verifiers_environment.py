@@ -79,7 +79,7 @@ def server(tmp_path_factory, calc_row):
             opt.zero_grad()
     torch.set_num_threads(threads)
     model.eval().requires_grad_(False)
-    engine = LocalEngine(model, tok, GenerationConfig(max_new_tokens=24), context_length=256, slots=8)
+    engine = LocalEngine(model, tok, GenerationConfig(max_new_tokens=64), context_length=256, slots=8)
     handle = start_server(engine, model_name="policy")
     yield handle
     handle.stop()
@@ -130,7 +130,8 @@ def test_a_tool_call_runs_on_the_environments_mcp_server_and_the_turns_join(serv
     env = VerifiersEnvironment({"episode_timeout_s": 120})
     [res], [s] = _run(env, server, [calc_row])
     assert res["error"] is None, res
-    assert res["metrics"]["tool_calls"] == 1.0  # add ran on the tool server; its result went back
+    replies = [t.raw_text for t in s.turns]
+    assert res["metrics"]["tool_calls"] == 1.0, replies  # add ran on the tool server; its result went back
     first, second = s.turns
     assert first.finish_reason == "tool_calls" and second.extends and s.prefix_breaks == 0
     assert second.raw_text.strip() == f"\\boxed{{{calc_row['expected_answer']}}}" and res["reward"] == 1.0
