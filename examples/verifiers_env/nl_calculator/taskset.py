@@ -10,22 +10,15 @@ from .tools import CalculatorToolset
 SYSTEM_PROMPT = "Use the add tool, then give the result as \\boxed{n}."
 
 
-class CalculatorTaskConfig(vf.TaskConfig):
-    tools: vf.ToolsetConfig = vf.ToolsetConfig()
-
-
 class CalculatorData(vf.TaskData):
     answer: str
 
 
-class CalculatorTask(vf.Task[CalculatorData, vf.State, CalculatorTaskConfig]):
-    @classmethod
-    def toolsets(cls, config: CalculatorTaskConfig) -> list[vf.Toolset]:
-        return [CalculatorToolset(config.tools)]
-
+class CalculatorTask(vf.Task[CalculatorData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def correct(self, task: CalculatorData, trace: vf.Trace) -> float:
-        return float(trace.last_reply.strip() == f"\\boxed{{{task.answer}}}")
+        """The answer in \\boxed{}, or the whole reply when it has none."""
+        return float(vf.extract_boxed_answer(trace.last_reply.strip()).strip() == task.answer)
 
     @vf.metric
     async def tool_calls(self, trace: vf.Trace) -> float:
@@ -34,7 +27,8 @@ class CalculatorTask(vf.Task[CalculatorData, vf.State, CalculatorTaskConfig]):
 
 
 class CalculatorConfig(vf.TasksetConfig):
-    task: CalculatorTaskConfig = CalculatorTaskConfig()
+    tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
+    """Where the calculator server runs (one for all of a batch's rollouts)."""
     num_tasks: int = 200
     """How many sums."""
     max_value: int = 9
@@ -44,6 +38,11 @@ class CalculatorConfig(vf.TasksetConfig):
 
 
 class CalculatorTaskset(vf.Taskset[CalculatorTask, CalculatorConfig]):
+    @classmethod
+    def toolsets(cls, config: CalculatorConfig) -> list[vf.Toolset]:
+        # Stateless, so one server serves every rollout: started once per batch, not once per episode.
+        return [CalculatorToolset(config.tools)]
+
     def load(self):
         c = self.config
         rng = random.Random(0)

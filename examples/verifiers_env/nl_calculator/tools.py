@@ -4,7 +4,7 @@ rollout, so the module ends by serving."""
 import verifiers.v1 as vf
 
 
-class CalculatorToolset(vf.Toolset[vf.ToolsetConfig]):
+class CalculatorToolset(vf.Toolset[vf.SharedToolsetConfig]):
     TOOL_PREFIX = None  # the model sees the bare tool name, ``add``
 
     @vf.tool
