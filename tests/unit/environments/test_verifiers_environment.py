@@ -113,7 +113,7 @@ def test_single_turn_episodes_are_scored_by_the_rubric_and_each_function_is_a_me
             assert res["reward"] is None and res["metrics"] == {}
             assert ("KeyError" in res["error"]) if lacks else ("fails on purpose" in res["error"])
             continue
-        reply = s.turns[0].raw_text.strip()
+        reply = (s.turns[0].content or "").strip()  # the reply as the API returned it
         exact, short = float(reply == row["expected_answer"]), float(len(reply) <= 8)
         assert res["error"] is None and res["reward"] == pytest.approx(exact + 0.5 * short)
         assert res["metrics"] == {"exact": exact, "short": short, "reply_chars": float(len(reply))}
