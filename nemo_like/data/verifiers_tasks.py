@@ -46,7 +46,7 @@ class VerifiersConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["verifiers"]
+    kind: Literal["verifiers"]  # which generator this is
     # An installed environment package (what verifiers' load_environment takes) or a factory
     # "pkg.module:load_environment".
     environment: str

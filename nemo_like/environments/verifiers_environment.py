@@ -22,6 +22,7 @@ import itertools
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -86,15 +87,15 @@ def episode_outcome(episode: Any) -> dict[str, Any]:
     return {"reward": reward, "metrics": metrics, "error": None, "timed_out": timed_out}
 
 
-def _export_import_path() -> None:
-    """Tool servers start as ``python -m <module>`` in a subprocess: give it this process's own folders
-    (the user's modules, not its site-packages) so a toolset importable here is importable there."""
+def _import_path_for_programs() -> str:
+    """PYTHONPATH for the programs verifiers starts: tool servers start as ``python -m <module>``, so they
+    get this process's own folders (the user's modules, not its site-packages), and a toolset importable
+    here is importable there."""
     prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     mine = [os.path.abspath(p or os.getcwd()) for p in sys.path
             if not (p and p.startswith(prefixes) and ("site-packages" in p or "lib/python" in p))]
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    merged = list(dict.fromkeys(current + [p for p in mine if os.path.isdir(p)]))
-    os.environ["PYTHONPATH"] = os.pathsep.join(merged)
+    return os.pathsep.join(dict.fromkeys(current + [p for p in mine if os.path.isdir(p)]))
 
 
 class VerifiersEnvironment(EnvironmentInterface):
@@ -121,7 +122,9 @@ class VerifiersEnvironment(EnvironmentInterface):
         self._tasks: dict[str, TaskList] = {}
         self._reported = False
         self._lock = threading.Lock()
-        _export_import_path()
+        # PYTHONPATH while batches run (verifiers' programs read this process's environment); restored after.
+        self._batches = 0
+        self._saved_path: str | None = None
 
     def step(self, message_log_batch: Any, metadata: Any) -> EnvironmentReturn:
         """verifiers tasks are played by ``run_episodes``; a message log handed here is graded 0 and ended."""
@@ -189,17 +192,36 @@ class VerifiersEnvironment(EnvironmentInterface):
                 os.environ.pop(var, None)
 
         envs = {id(env): env for env, _ in found.values()}
-        async with contextlib.AsyncExitStack() as stack:
-            # An environment's shared resources (interception, taskset-wide tool servers) for this batch.
-            for env in envs.values():
-                await stack.enter_async_context(env.serving())
-            await asyncio.gather(*(one(i, env, task) for i, (env, task) in found.items()))
+        with self._program_path():
+            async with contextlib.AsyncExitStack() as stack:
+                # An environment's shared resources (interception, taskset-wide tool servers) for this batch.
+                for env in envs.values():
+                    await stack.enter_async_context(env.serving())
+                await asyncio.gather(*(one(i, env, task) for i, (env, task) in found.items()))
         out = [r or {"reward": None, "metrics": {}, "timed_out": False, "error": "the episode did not run"}
                for r in results]
         failed = [(i, r) for i, r in enumerate(out) if r["error"] is not None]
         if failed:
             self._report(rows[failed[0][0]], failed[0][1]["error"], len(failed))
         return out
+
+    @contextlib.contextmanager
+    def _program_path(self) -> Iterator[None]:
+        with self._lock:
+            if self._batches == 0:
+                self._saved_path = os.environ.get("PYTHONPATH")
+                os.environ["PYTHONPATH"] = _import_path_for_programs()
+            self._batches += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batches -= 1
+                if self._batches == 0:
+                    if self._saved_path is None:
+                        os.environ.pop("PYTHONPATH", None)
+                    else:
+                        os.environ["PYTHONPATH"] = self._saved_path
 
     def _report(self, row: dict, error: str, n: int) -> None:
         """The first failure of this environment, printed once; later ones are only counted."""
