@@ -252,6 +252,11 @@ class Episodes:
             self.terminated[i] = True
             return False
         self.rewards[i] += float(ret.rewards[0])
+        if math.isnan(self.rewards[i]) and self.grading_errors[i] is None:
+            # The environment answered but could not score the sample (a service that timed out, a reward
+            # function that returned None): unscorable, and a step of nothing else stops the run as a
+            # failed call does (FailureWatch), instead of training on nothing for ever.
+            self.grading_errors[i] = "the environment could not score it (reward NaN; see env/<task>/num_* metrics)"
         if ret.metadata[0] is not None:
             self.env_infos[i] = ret.metadata[0]
         if bool(ret.terminateds[0]):
