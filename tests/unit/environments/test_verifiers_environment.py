@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -145,6 +146,15 @@ def test_rows_that_name_no_task_cost_only_themselves(server):
     assert "no task 999" in out[0]["error"] and "not the one the dataset was made from" in out[1]["error"]
     assert "no vf_env column" in out[2]["error"]
     assert out[3]["error"] is None and len(sessions[3].turns) == 1
+
+
+def test_an_episode_past_its_time_is_stopped_and_counted(server):
+    rows = _rows(environment="_nl_vf_helpers:load_environment", args={"num_tasks": 6}, num_samples=2)
+    env = VerifiersEnvironment({"episode_timeout_s": 0.2})  # less than the harness program takes to start
+    t0 = time.monotonic()
+    out, _ = _run(env, server, rows)
+    assert time.monotonic() - t0 < 10
+    assert all(r["timed_out"] and "episode_timeout_s=0.2" in r["error"] and r["reward"] is None for r in out)
 
 
 def test_splits_are_disjoint_and_sized():
