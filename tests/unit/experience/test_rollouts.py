@@ -13,6 +13,7 @@ from _nl_rollout_helpers import CountdownEnv, LocalHF, _batch, rollout_setup
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_like.environments.supervision import EnvironmentFailureError, FailureWatch
 from nemo_like.experience.rollouts import flatten_message_logs, run_multi_turn_rollout
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.interfaces import GenerationConfig
@@ -24,12 +25,23 @@ class BrokenEnv(EnvironmentInterface):
         raise RuntimeError("injected fault")
 
 
+class UnscorableEnv(EnvironmentInterface):
+    """Answers every call, but scores nothing (a service that timed out, a reward function that
+    returned None): NaN rewards inside a valid return."""
+
+    def step(self, message_log_batch, metadata):
+        n = len(message_log_batch)
+        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, [None] * n, [None] * n,
+                                 torch.full((n,), float("nan")), torch.ones(n, dtype=torch.bool))
+
+
 @pytest.fixture(scope="module")
 def setup_env(ray_session):
     envs = {
         "a": ray.remote(CountdownEnv).remote({"name": "A"}),
         "b": ray.remote(CountdownEnv).remote({"name": "B"}),
         "broken": ray.remote(BrokenEnv).remote(),
+        "unscorable": ray.remote(UnscorableEnv).remote(),
     }
     with rollout_setup(envs) as s:
         yield s
@@ -96,6 +108,20 @@ def test_failing_environment_leaves_its_samples_unscorable_and_is_counted(setup_
     assert out["grading_error"] == ["RuntimeError: injected fault", None, "RuntimeError: injected fault"]
     assert m["env/broken/step_errors"] == 2.0
     assert out["num_turns"].tolist() == [1, 1, 1]
+
+
+def test_nan_rewards_from_an_answering_environment_count_as_failed_grading(setup_env):
+    envs, tok, model = setup_env
+    out, _ = run_multi_turn_rollout(LocalHF(model, tok), _batch(tok, [("unscorable", 1), ("a", 1), ("unscorable", 2)]),
+                                    tok, envs, max_turns=2, max_seq_len=200)
+    assert out["total_reward"].isnan().tolist() == [True, False, True]
+    errors = out["grading_error"]
+    assert errors[1] is None and errors[0] == errors[2] and "reward NaN" in errors[0]
+    # So a grader that can score nothing stops the run, as one whose calls fail does.
+    watch = FailureWatch(max_consecutive=2)
+    watch.observe(out["task_name"], errors)
+    with pytest.raises(EnvironmentFailureError, match="task 'unscorable': grading failed for every sample in 2"):
+        watch.observe(out["task_name"], errors)
 
 
 def test_unterminated_after_max_turns(setup_env):
