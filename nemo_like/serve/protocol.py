@@ -39,6 +39,9 @@ class FunctionCall(BaseModel):
 
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # The position of a streamed call: clients that rebuild the reply from the stream (the openai SDK's
+    # ChatCompletionStream, verifiers' chat harness) send it back in the history; it changes nothing here.
+    index: int | None = None
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

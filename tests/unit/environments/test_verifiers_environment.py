@@ -21,7 +21,6 @@ from nemo_like.data.verifiers_tasks import VerifiersConfig, generate_verifiers_d
 from nemo_like.environments.verifiers_environment import VerifiersEnvConfig, VerifiersEnvironment
 from nemo_like.models.generation.interfaces import GenerationConfig
 from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
-from nemo_like.serve import protocol
 from nemo_like.serve.engines import LocalEngine
 from nemo_like.serve.server import start_server
 
@@ -125,8 +124,6 @@ def test_single_turn_episodes_are_scored_by_the_rubric_and_each_function_is_a_me
     assert "verifiers environment" not in capsys.readouterr().out
 
 
-@pytest.mark.xfail("index" not in protocol.ToolCall.model_fields, strict=True,
-                   reason="the server refuses the tool_calls[].index a streamed reply carries back")
 def test_a_tool_call_runs_on_the_environments_mcp_server_and_the_turns_join(server, calc_row):
     env = VerifiersEnvironment({"episode_timeout_s": 120})
     [res], [s] = _run(env, server, [calc_row])
