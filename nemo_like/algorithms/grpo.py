@@ -115,7 +115,7 @@ class GRPOTrainer:
         task_envs = {d.task_name: d.env_name for d in self.config.data.train_list}
         self.env_watch = FailureWatch(self.config.grpo.max_consecutive_env_failures, {  # agent tasks: most failed
             t: float((self.config.env.get(e) or {}).get("max_failed_fraction", 0.5))
-            for t, e in task_envs.items() if is_agent_env(e)})
+            for t, e in task_envs.items() if is_agent_env(e)}, env_names=task_envs)
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
         self.generator = self.generator if self.generator is not None else self.policy
         self.ppo = PPOStage(self.config, self.critic)

@@ -61,12 +61,14 @@ def wait_for_env_actors(actors: dict[str, Any], env_names: dict[str, str], *,
 class FailureWatch:
     """Counts, per task, the training steps in a row in which grading failed for every sample (the
     environment raised, timed out or died), or for more than ``fractions[task]`` of them where a task
-    has one (an agent task: ``env.agent.max_failed_fraction``); past ``max_consecutive`` it raises
+    has one (an agent task: ``env.<its environment>.max_failed_fraction``); past ``max_consecutive`` it raises
     :class:`EnvironmentFailureError` naming the task and the first error. 0 disables the stop."""
 
-    def __init__(self, max_consecutive: int, fractions: dict[str, float] | None = None) -> None:
+    def __init__(self, max_consecutive: int, fractions: dict[str, float] | None = None,
+                 env_names: dict[str, str] | None = None) -> None:
         self.max_consecutive = max_consecutive
         self.fractions = dict(fractions or {})
+        self.env_names = dict(env_names or {})  # task -> environment: names the key of its fraction
         self.streak: dict[str, int] = {}
         self.first_error: dict[str, str] = {}
         self.last_count: dict[str, tuple[int, int]] = {}
@@ -90,7 +92,7 @@ class FailureWatch:
                 if task in self.fractions:
                     k, m = self.last_count[task]
                     what = (f"more than {self.fractions[task]:g} of the episodes failed ({k} of {m} in the last) in "
-                            f"{n} consecutive steps (env.agent.max_failed_fraction)")
+                            f"{n} consecutive steps (env.{self.env_names.get(task, 'agent')}.max_failed_fraction)")
                 else:
                     what = f"grading failed for every sample in {n} consecutive steps"
                 raise EnvironmentFailureError(

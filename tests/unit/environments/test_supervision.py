@@ -53,6 +53,10 @@ def test_failure_watch_stops_an_agent_task_where_most_episodes_fail():
                        r"\(3 of 4 in the last\) in 2 consecutive steps \(env.agent.max_failed_fraction\) "
                        r"\(grpo.max_consecutive_env_failures=2\); first error: e2$"):
         watch.observe(tasks, ["e3", None, "e3", "e3", None, "m"])
+    # The key named is the task's environment's (a verifiers task: env.verifiers.max_failed_fraction).
+    vf = FailureWatch(1, {"quiz": 0.5}, env_names={"quiz": "verifiers"})
+    with pytest.raises(EnvironmentFailureError, match=r"\(env.verifiers.max_failed_fraction\)"):
+        vf.observe(["quiz"] * 2, ["e", "e"])
 
 
 
