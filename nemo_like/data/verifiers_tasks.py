@@ -14,7 +14,7 @@ and returning a ``vf.Env``. An agent without a runtime runs in the ``subprocess`
 default, prime sandboxes, needs their service).
 
 Rows carry ``problem`` (the task's prompt: text, or messages) and what finds the task again
-(``vf_env``: the spec as JSON; ``vf_index``: the task's position in the taskset; ``vf_key``: its
+(``vf_env``: the spec as JSON; ``vf_index``: the task's position in the taskset's iteration; ``vf_key``: its
 content key), so the ``verifiers`` environment loads the environment once and plays that very task.
 
 verifiers has no splits: ``validation_percent`` of the tasks (by a hash of each task's key) are held
@@ -25,6 +25,7 @@ an environment whose args pick its own split).
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -234,13 +235,13 @@ def generate_verifiers_dataset(cfg: VerifiersConfig) -> Any:
     if infinite and cfg.num_samples is None:
         raise DataError(f"verifiers environment {label!r}: its taskset is infinite; set num_samples")
     cap = None if not infinite else cfg.num_samples * 100 // max(1, 100 - cfg.validation_percent) * 4 + 100
-    picked: list[Any] = []
+    picked: list[tuple[int, Any]] = []  # (position in the taskset's iteration: what TaskList.get finds, task)
     try:
         for n, task in enumerate(env.taskset):
             if cap is not None and n >= cap:
                 break
             if split_of_task(task.key, cfg.validation_percent) in (cfg.split, "both"):
-                picked.append(task)
+                picked.append((n, task))
                 if infinite and len(picked) == cfg.num_samples:
                     break
     except Exception as e:
@@ -252,14 +253,18 @@ def generate_verifiers_dataset(cfg: VerifiersConfig) -> Any:
     if not picked or (infinite and len(picked) < (cfg.num_samples or 0)):
         raise DataError(f"verifiers environment {label!r}: {len(picked)} tasks on the {cfg.split} side "
                         f"(validation_percent={cfg.validation_percent}); it needs more tasks")
-    problems = [_problem(t.data) for t in picked]
+    positions = [n for n, _ in picked]
+    picked_tasks = [t for _, t in picked]
+    problems = [_problem(t.data) for t in picked_tasks]
     if any(isinstance(p, list) for p in problems):  # one column type: every problem as messages
         problems = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in problems]
-    answers = [getattr(t.data, "answer", None) for t in picked]
+    answers = [getattr(t.data, "answer", None) for t in picked_tasks]
     return datasets.Dataset.from_dict({
         "problem": problems,
         "expected_answer": ["" if a is None else str(a) for a in answers],
         "vf_env": [spec] * len(picked),
-        "vf_index": [int(t.data.idx) for t in picked],
-        "vf_key": [t.key for t in picked],
+        # The position, not the task's own idx: a taskset view (include, skip, shuffle) keeps the idx of
+        # load(), and the environment actor finds tasks by position.
+        "vf_index": positions,
+        "vf_key": [t.key for t in picked_tasks],
     })

@@ -22,10 +22,6 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import os
-import shlex
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -38,6 +34,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from nemo_like.environments.env_config import TRAINER_SIDE_KEYS, EnvConfig, validate_env_config
+from nemo_like.environments.http_service import free_port, split_command, start_service, stop_service
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn, normalize_step_inputs
 
 if TYPE_CHECKING:
@@ -80,7 +77,7 @@ class HttpEnvConfig(EnvConfig):
     @field_validator("command")
     @classmethod
     def _argv(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and not _split_command(v):
+        if v is not None and not split_command(v):
             raise ValueError("an empty command: give the program to run, e.g. 'node server.js'")
         return v
 
@@ -94,10 +91,6 @@ class HttpEnvConfig(EnvConfig):
                 raise ValueError(f"env.http.url {self.url!r} holds {{port}}, which only env.http.command fills in")
             _parse_url(self.url.replace("{port}", "1"))
         return self
-
-
-def _split_command(command: str | list[str]) -> list[str]:
-    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
 
 
 def _parse_url(url: str) -> tuple[bool, str, int, str]:
@@ -160,7 +153,12 @@ def _sample_json(log: Any, meta: Any) -> dict:
 
 
 def _finite_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:  # a 400-digit JSON integer does not fit a float: garbage, not an OverflowError
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _result(item: Any, meta: Any) -> tuple[float, bool, dict, list[str] | None, Any]:
@@ -240,10 +238,10 @@ class HttpEnvironment(EnvironmentInterface):
     def _launch(self) -> None:
         """Start env.http.command on a free port and point the URL at it."""
         assert self._cfg.command is not None
-        port = _free_port()
+        port = free_port()
         self._set_url((self._cfg.url or "http://127.0.0.1:{port}").replace("{port}", str(port)))
         self._proc = self._start(self._cfg.command, port)
-        self._finalizer = weakref.finalize(self, _stop, self._proc)
+        self._finalizer = weakref.finalize(self, stop_service, self._proc)
 
     def _revive(self) -> int:
         """A started service that exited is started again, as Ray restarts a dead actor: 1 if it was."""
@@ -261,37 +259,8 @@ class HttpEnvironment(EnvironmentInterface):
     def _last_output(self) -> str:
         return next((line for line in reversed(self._output) if line.strip()), "none")
 
-    # ------------------------------------------------------------------------------------ service
     def _start(self, command: str | list[str], port: int) -> subprocess.Popen:
-        argv = [a.replace("{port}", str(port)) for a in _split_command(command)]
-        env = dict(os.environ, PORT=str(port))
-        started: dict[str, Any] = {}
-        ready = threading.Event()
-
-        def keep() -> None:
-            # The service is forked from this thread and dies with it (PR_SET_PDEATHSIG), so it lives
-            # exactly as long as the service: a killed actor (a restart, the run's end) takes it along.
-            try:
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, errors="replace",
-                                        preexec_fn=_die_with_parent)
-            except OSError as e:
-                proc = e
-            started["proc"] = proc
-            ready.set()
-            if isinstance(proc, OSError):
-                return
-            assert proc.stdout is not None
-            for line in proc.stdout:  # the service's output, in the run's log with the actor's prefix
-                self._output.append(line.rstrip())
-                print(f"[http env] {line.rstrip()}", flush=True)
-            proc.wait()
-
-        threading.Thread(target=keep, name="http-env-service", daemon=True).start()
-        ready.wait()
-        if isinstance(started["proc"], OSError):
-            raise RuntimeError(f"env.http.command {shlex.join(argv)!r} could not start: {started['proc']}")
-        return started["proc"]
+        return start_service(split_command(command), port, self._output)
 
     def _health_check(self) -> None:
         cfg = self._cfg
@@ -456,6 +425,7 @@ class HttpEnvironment(EnvironmentInterface):
                         self._report(e.kind, 1, str(e))
         except Exception as e:  # last line of defence: step must never raise into the trainer
             rewards, terminateds = [math.nan] * n, [True] * n
+            counts = dict.fromkeys(counts, 0)  # every sample is lost, once, whatever was counted before
             counts["bad_responses"] = n
             self._report("bad_responses", n, f"{type(e).__name__}: {e}")
 
@@ -484,40 +454,14 @@ class HttpEnvironment(EnvironmentInterface):
               f"{kind.replace('_', ' ')} are counted in num_{kind}, not printed)", flush=True)
 
     def shutdown(self) -> None:
-        self._closed = True
+        with self._restart_lock:  # a restart under way finishes first, and none starts after this
+            self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._proc is not None:
-            _stop(self._proc)
+            stop_service(self._proc)
 
 
 def _snippet(raw: bytes) -> str:
     text = raw[:200].decode("utf-8", "replace").replace("\n", " ").strip()
     return repr(text) + ("..." if len(raw) > 200 else "")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the forked child, before exec
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
-    except Exception:
-        pass  # elsewhere the service is stopped by shutdown() and at exit only
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within 5 s. Idempotent."""
-    if proc.poll() is not None:
-        return
-    try:
-        proc.terminate()
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

@@ -138,8 +138,10 @@ class TextArenaEnvironment(EnvironmentInterface):
         for i in range(n):
             try:
                 obs, reward, refused, outcome = self._play(batch[i], meta[i])
-            except _BadSample:
+            except _BadSample as e:  # a malformed log or row: unscorable (0 is a real score in a -1..1 game)
                 counts["num_failures"] += 1
+                rewards[i] = float("nan")
+                self._show_error(meta[i], e)
                 continue
             except Exception as e:  # the game raised: this sample is unscorable, the others go on
                 counts["num_game_errors"] += 1
@@ -177,5 +179,7 @@ class TextArenaEnvironment(EnvironmentInterface):
         self._error_shown = True
         where = f"{meta.get('ta_game')!r} (seed {meta.get('ta_seed')})" if isinstance(meta, dict) else "a game"
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"[nemo_like] textarena: {where} raised {type(e).__name__}: {first}; the sample is unscorable "
-              "(later ones are only counted, in env/<task>/num_game_errors)", flush=True)
+        what = (f"a malformed sample: {first}" if isinstance(e, _BadSample) else
+                f"{where} raised {type(e).__name__}: {first}")
+        print(f"[nemo_like] textarena: {what}; the sample is unscorable (later ones are only counted, in "
+              "env/<task>/num_game_errors and num_failures)", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import sys
 import threading
@@ -83,7 +84,11 @@ def episode_outcome(episode: Any) -> dict[str, Any]:
             if v is not None:
                 sums.setdefault(name if name not in t.rewards else f"{name}_metric", []).append(float(v))
     metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # a NaN score must not poison a mean
     reward = sum(float(t.reward) for t in traces) / len(traces)
+    if not math.isfinite(reward):  # verifiers passes a reward function's NaN or inf through
+        return {"reward": None, "metrics": metrics, "timed_out": timed_out,
+                "error": f"the episode's reward is {reward} (a reward function returned a non-finite number)"}
     return {"reward": reward, "metrics": metrics, "error": None, "timed_out": timed_out}
 
 
@@ -125,14 +130,17 @@ class VerifiersEnvironment(EnvironmentInterface):
         # PYTHONPATH while batches run (verifiers' programs read this process's environment); restored after.
         self._batches = 0
         self._saved_path: str | None = None
+        self._serving: asyncio.Lock | None = None  # made in the actor's event loop, on first use
 
     def step(self, message_log_batch: Any, metadata: Any) -> EnvironmentReturn:
-        """verifiers tasks are played by ``run_episodes``; a message log handed here is graded 0 and ended."""
+        """verifiers tasks are played by ``run_episodes``; a message log handed here is unscorable and ended."""
         import torch
 
         n = len(list(message_log_batch))
-        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, [None] * n, [None] * n,
-                                 torch.zeros(n), torch.ones(n, dtype=torch.bool), {"num_not_episodes": float(n)})
+        # NaN: unscorable (counted, never trained on as a real score of 0).
+        return EnvironmentReturn([{"role": "environment", "content": ""} for _ in range(n)], [None] * n, [None] * n,
+                                 torch.full((n,), float("nan")), torch.ones(n, dtype=torch.bool),
+                                 {"num_not_episodes": float(n)})
 
     def _task(self, row: dict) -> tuple[Any, Any]:
         """(env, task) of a row; raises with what is wrong with the row or the environment."""
@@ -192,6 +200,15 @@ class VerifiersEnvironment(EnvironmentInterface):
                 os.environ.pop(var, None)
 
         envs = {id(env): env for env, _ in found.values()}
+        # One batch at a time: verifiers keeps a serving context's resources on the Env object and the
+        # first batch to leave would stop them under the other (validation can overlap a training batch).
+        if self._serving is None:
+            self._serving = asyncio.Lock()
+        async with self._serving:
+            return await self._serve(rows, envs, found, one, results)
+
+    async def _serve(self, rows: list[dict], envs: dict[int, Any], found: dict[int, tuple[Any, Any]], one: Any,
+                     results: list[dict | None]) -> list[dict]:
         with self._program_path():
             async with contextlib.AsyncExitStack() as stack:
                 # An environment's shared resources (interception, taskset-wide tool servers) for this batch.

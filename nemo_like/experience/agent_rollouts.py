@@ -45,13 +45,13 @@ class AgentServer:
     """The trainer's server over ``generator`` (``GenerationInterface``), started once per run."""
 
     def __init__(self, generator: Any, tokenizer: Any, *, context_length: int, host: str = "127.0.0.1",
-                 port: int = 0, version_fn: Any = lambda: 0):
+                 port: int = 0, version_fn: Any = lambda: 0, port_key: str = "env.agent.port"):
         self.generator = generator
         self.engine = BatchingEngine(lambda data, greedy: self.generator.generate(data, greedy=greedy), tokenizer,
                                      context_length=context_length, version_fn=version_fn)
         try:
             self.handle: ServerHandle = start_server(self.engine, model_name=SERVED_NAME, host=host, port=port,
-                                                     fixed_sampling=True, key="env.agent.port")
+                                                     fixed_sampling=True, key=port_key)
         except Exception:
             self.engine.close()
             raise
@@ -59,10 +59,12 @@ class AgentServer:
     @classmethod
     def for_run(cls, config: Any, generator: Any, tokenizer: Any, *, version_fn: Any) -> AgentServer:
         """The server of a GRPO run (``MasterConfig``): bound where the first agent environment's options
-        (``env.<name>.host``/``port``) say, sampling up to the policy's context length."""
-        opts = next((o or {} for e, o in config.env.items() if is_agent_env(e)), {})
+        (``env.<name>.host``/``port``) say, sampling up to the policy's context length. One server serves
+        every agent environment of the run (``env.agent`` and ``env.verifiers`` alike)."""
+        name, opts = next(((e, o or {}) for e, o in config.env.items() if is_agent_env(e)), ("agent", {}))
         return cls(generator, copy.deepcopy(tokenizer), context_length=config.policy.max_total_sequence_length,
-                   host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0), version_fn=version_fn)
+                   host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0), version_fn=version_fn,
+                   port_key=f"env.{name}.port")
 
     def close(self) -> None:
         self.handle.stop()

@@ -25,6 +25,8 @@ class QuestionTask(vf.Task[QuestionData, vf.State, vf.TaskConfig]):
             raise KeyError("answer")  # the reward needs the column this task lacks
         if task.answer == "raise":
             raise RuntimeError("this reward fails on purpose")
+        if task.answer == "nan":
+            return float("nan")  # verifiers passes it through; the episode must not train on it
         return float(trace.last_reply == task.answer)
 
     @vf.reward(weight=0.5)
@@ -41,6 +43,7 @@ class QuestionConfig(vf.TasksetConfig):
     # Every k-th task lacks its answer (0: none does); every r-th has a reward that raises (0: none).
     missing_every: int = 0
     raise_every: int = 0
+    nan_rewards: bool = False  # every task's exact reward is NaN
 
 
 class QuestionTaskset(vf.Taskset[QuestionTask, QuestionConfig]):
@@ -52,6 +55,8 @@ class QuestionTaskset(vf.Taskset[QuestionTask, QuestionConfig]):
                 answer = None
             elif c.raise_every and i % c.raise_every == c.raise_every - 1:
                 answer = "raise"
+            if c.nan_rewards:
+                answer = "nan"
             yield QuestionTask(QuestionData(prompt=f"{i % 10}=", answer=answer, name=f"q{i}"), c.task)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
+
 from nemo_like.algorithms.grpo import grpo_train
 from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
@@ -28,6 +30,7 @@ def _datasets(split: str, n: int) -> str:
     return "[" + ", ".join(rows) + "]"
 
 
+@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
 def test_grpo_trains_single_and_two_player_games_for_two_steps(ray_session, tmp_path, base_model_cache):
     cfg = load_config(CONFIG, [
         f"data.train={_datasets('train', 16)}", f"data.validation={_datasets('validation', 2)}",

@@ -225,7 +225,7 @@ def test_multi_turn_results_and_bounded_concurrency(faulty_base):
             t.start()
         for t in threads:
             t.join()
-        assert _Faulty.calls["count"] == 8 and _Faulty.max_in_flight == 3
+        assert _Faulty.calls["count"] == 8 and 2 <= _Faulty.max_in_flight <= 3  # never past the bound
     finally:
         env.shutdown()
 

@@ -122,6 +122,12 @@ def test_single_turn_episodes_are_scored_by_the_rubric_and_each_function_is_a_me
     # A second batch with failures prints nothing more: they are counted by the trainer.
     _run(env, server, [r for r, m in zip(rows, lacking) if m])
     assert "verifiers environment" not in capsys.readouterr().out
+    # A reward function that returns NaN: the episode is unscorable (verifiers passes NaN through).
+    nan_rows = _rows(environment="_nl_vf_helpers:load_environment", args={"num_tasks": 2, "nan_rewards": True},
+                     validation_percent=0)
+    out, _ = _run(env, server, nan_rows)
+    assert [r["reward"] for r in out] == [None, None]
+    assert all("non-finite" in r["error"] and "exact" not in r["metrics"] for r in out)
 
 
 def test_a_tool_call_runs_on_the_environments_mcp_server_and_the_turns_join(server, calc_row):
