@@ -6,11 +6,12 @@ role and content, and their metadata) and returns one result per sample (reward,
 observation, next stop strings, metadata) plus optional metrics: the ``step`` contract of
 :class:`~nemo_like.environments.interfaces.EnvironmentInterface`, as JSON.
 
-Nothing the service does can end the run once it has started: a request that times out, cannot
+Once the run has started, a service costs only samples: a request that times out, cannot
 connect after its retries, or answers something that is not a valid response (not JSON, too few
 results, a reward that is not a finite number) leaves only the samples it carried unscorable (NaN
 reward: advantage 0, out of every baseline), counted in the step's metrics with the first error of
-each kind printed once. A service that does not answer its health check when the run starts is a
+each kind printed once (a task none of whose samples can be scored for grpo.max_consecutive_env_failures
+steps stops the run, as any failing grader does). A service that does not answer its health check when the run starts is a
 one-line start error naming the URL. With ``command`` the run starts the service itself on a free
 port, starts it again if it exits, and stops it with the environment.
 
