@@ -58,7 +58,7 @@ class SlowMath(MathEnvironment):
         return super().step(message_log_batch, metadata)
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 @pytest.mark.parametrize("bound", [0, 1])
 def test_no_trained_sample_lags_past_the_bound_with_slow_trainer_and_slow_environment(ray_session, tmp_path,
                                                                                         model_dir, bound):
@@ -93,7 +93,7 @@ def test_no_trained_sample_lags_past_the_bound_with_slow_trainer_and_slow_enviro
         assert r["train/num_samples"] == 8 and torch.isfinite(torch.tensor(r["train/loss"]))
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_resume_with_batches_in_flight_draws_their_prompts_again(ray_session, tmp_path, model_dir):
     def prompts(batch) -> list[str]:
         return [log[0]["content"] for log in batch["message_log"]][::4]  # one per group
@@ -188,7 +188,7 @@ def test_a_step_that_fails_before_the_update_is_retried_with_the_same_prompts(ra
         trainer.close()
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_swapping_an_environment_with_batches_in_flight_loses_no_grading(ray_session, tmp_path, model_dir):
     """set_env (what add_reward_fn does) while the rollout threads grade ahead with the old actor: the
     old one lives until the trainer has taken those batches, so no step trains on unscorable samples."""

@@ -30,7 +30,7 @@ def _cfg(tmp_path, base_model_cache, *extra: str):
         "logger.tensorboard_enabled=false", "checkpointing.enabled=false", "cluster.num_cpus=null", *extra])
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_the_student_as_its_own_teacher_agrees_token_for_token(ray_session, tmp_path, base_model_cache):
     # Everything at once, from the notebook API: async rollouts (a rollout worker samples; the teacher
     # scores at training time), LoRA on the student (its adapter starts at zero: the base model),

@@ -61,6 +61,7 @@ def test_dynamic_sampling_trains_only_groups_with_reward_spread(ray_session, tmp
         assert exp.trainer.sampler.position == 4 * sum(h["train/dynamic_sampling/gen_batches"] for h in exp.trainer.history)
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_advantage_collapse_stops_training_saves_and_survives_resume(ray_session, tmp_path, model_dir):
     # Rewards forced to 0: any model collapses, so the untrained tiny one (no bootstrap: this module's
     # base models are keyed by their reward_fns, and this one would be built for this test alone).

@@ -165,6 +165,7 @@ def test_overlong_filtering_takes_truncated_samples_out_of_the_loss(ray_session,
         assert m["train/loss"] == 0.0
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_save_and_resume_continue_the_same_run(ray_session, tmp_path):
     a = GRPOExperiment.from_config(CONFIG, overrides=_overrides(tmp_path))
     a.train(steps=2)

@@ -44,7 +44,7 @@ def run_dir(ray_session, tmp_path_factory):
     return tmp_path_factory.mktemp("grpo")
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_grpo_runs_logs_checkpoints_and_resumes(run_dir, base_model_cache):
     cfg = _config(run_dir, base_model_cache)
     trainer = setup(cfg)

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "grpo_math_tiny.yaml")
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_grpo_trains_the_megatron_backend_and_refits_the_rollout_worker(ray_session, tmp_path, base_model_cache):
     cfg = load_config(CONFIG, [
         "policy.backend=megatron", "policy.generation.colocated=false", "policy.sequence_packing.enabled=false",

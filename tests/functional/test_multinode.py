@@ -17,7 +17,7 @@ import pytest
 CHILD = Path(__file__).with_name("multinode_child.py")
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_roles_on_pools_of_a_three_node_cluster_and_a_lost_node(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, str(CHILD), str(tmp_path)], capture_output=True, text=True, timeout=600,

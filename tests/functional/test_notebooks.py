@@ -33,7 +33,7 @@ def test_the_notebooks_exist_and_are_stored_without_outputs():
                 assert cell.outputs == [] and cell.execution_count is None, f"{path.name} is stored with outputs"
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path, monkeypatch, base_model_cache):
     # The kernel inherits this process's environment: tiny model, two steps, files under tmp_path.

@@ -35,7 +35,7 @@ def _config(tmp, cache, *extra):
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", "checkpointing.save_period=3", *extra])
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_ppo_warms_the_critic_up_then_trains_both_and_resumes_exactly(ray_session, tmp_path, base_model_cache):
     trainer = setup(_config(tmp_path, base_model_cache))
     try:

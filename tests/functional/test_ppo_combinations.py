@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
+
 from nemo_like import GRPOExperiment
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "ppo_math_tiny.yaml")
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_ppo_with_async_rollouts_and_lora_from_the_notebook_api(ray_session, tmp_path, base_model_cache):
     exp = GRPOExperiment(CONFIG, [
         "grpo.num_prompts_per_step=8", "grpo.max_num_steps=3", "grpo.val_at_start=false", "grpo.val_period=0",

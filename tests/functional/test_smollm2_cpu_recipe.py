@@ -37,7 +37,7 @@ def exp(ray_session, tmp_path_factory):
     e.close()
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_recipe_step_grades_with_reasoning_gyms_scorer(exp):
     assert exp.config.bootstrap is None and Path(exp.config.policy.model_name).parent.name == "pretrained"
     val = exp.validate()

@@ -49,7 +49,7 @@ def exp(ray_session, tmp_path_factory):
     e.close()
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_smollm2_grpo_step_on_cpu(exp):
     tok = exp.trainer.tokenizer
     im_end = tok.convert_tokens_to_ids(IM_END)

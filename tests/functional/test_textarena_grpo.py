@@ -30,7 +30,7 @@ def _datasets(split: str, n: int) -> str:
     return "[" + ", ".join(rows) + "]"
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_grpo_trains_single_and_two_player_games_for_two_steps(ray_session, tmp_path, base_model_cache):
     cfg = load_config(CONFIG, [
         f"data.train={_datasets('train', 16)}", f"data.validation={_datasets('validation', 2)}",

@@ -24,6 +24,9 @@ from nemo_like.environments.registry import ENV_REGISTRY
 from nemo_like.models.generation.backends import GENERATION_BACKENDS
 from nemo_like.models.policy.backends import POLICY_BACKENDS
 
+# One shared GRPO run (over 15 s) that every test here reads: run by `uv run pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 EXT = ROOT / "examples" / "extensions"
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"

@@ -44,7 +44,7 @@ def _config(tmp_path, cache, *extra):
     ])
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_grpo_trains_a_verifiers_environment_on_the_tokens_it_was_served(ray_session, tmp_path, base_model_cache):
     trainer = setup(_config(tmp_path, base_model_cache))
     try:

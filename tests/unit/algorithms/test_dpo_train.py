@@ -33,6 +33,7 @@ def _rows(tmp_path, name):
     return [json.loads(line) for line in (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_a_stopped_run_resumes_to_the_same_policy(ray_session, model_dir, tmp_path):
     whole = train_dpo(_cfg(model_dir, tmp_path, "whole"))
     assert whole["steps"] == 8 and whole["resumed_at"] == 0

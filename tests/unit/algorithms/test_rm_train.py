@@ -24,6 +24,7 @@ def _cfg(model_dir, tmp_path, name: str, gbs: int = 16, cluster: dict | None = N
         "output_dir": str(tmp_path / name / "out")})
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_model(ray_session, model_dir, tmp_path, capsys):
     # The reward model trained is the policy role: on a pool it trains as it does on a group of its own.
     pool = {"resource_pools": {"rm": {"nodes": 1, "cpus_per_node": 1}}, "roles": {"policy": "rm"}}

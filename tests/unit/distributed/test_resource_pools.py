@@ -236,7 +236,7 @@ def trainer_pgs(trainer) -> list[str]:
             trainer.rm_scorer.rm.worker_group.cluster.placement_group.id.hex()]
 
 
-@pytest.mark.slow  # over 15 s: the end-to-end suite (`uv run pytest -m slow`; CI runs both)
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_a_two_pool_run_makes_the_same_update_as_the_one_pool_run(ray_session, tmp_path, model_dir, base_model_cache):
     from transformers import AutoTokenizer
 

@@ -67,6 +67,7 @@ def _run(cluster, model_dir, data, name, skip=False, **kw):
     return before, metrics, after
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_packed_and_dynamic_batches_make_the_same_update_on_two_ranks(cluster, model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     data = _batch(tok)

@@ -41,6 +41,7 @@ def _cfg(model_dir, **kw) -> RewardModelConfig:
                                  "forward_micro_batch_size": 5, "optimizer": {"lr": 3e-3}} | kw))
 
 
+@pytest.mark.slow  # over 15 s: run by `uv run pytest -m slow` (CI runs it after the default suite)
 def test_score_train_save_and_two_ranks(ray_session, model_dir, pairs, tmp_path):
     one_cluster = RayVirtualCluster(1, cpus_per_worker=1)
     rm = RewardModel(one_cluster, _cfg(model_dir), seed=0)
