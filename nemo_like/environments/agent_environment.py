@@ -27,6 +27,8 @@ import time
 import traceback
 from typing import Any, ClassVar
 
+import httpx
+import openai
 from pydantic import Field, model_validator
 
 from nemo_like.environments.env_config import EnvConfig
@@ -92,6 +94,7 @@ class AgentEnvironment(EnvironmentInterface):
     def __init__(self, config: dict[str, Any] | None = None):
         self.cfg = AgentEnvConfig.model_validate({k: v for k, v in (config or {}).items() if k != "step_timeout_s"})
         self.fn = import_from_path(self.cfg.fn, what="agent function") if self.cfg.fn else None
+        self._tls: Any = None
 
     def step(self, message_log_batch: Any, metadata: Any) -> EnvironmentReturn:
         """Agent tasks are run by ``run_episodes``; a message log handed here is graded 0 and ended."""
@@ -114,10 +117,14 @@ class AgentEnvironment(EnvironmentInterface):
         return await asyncio.gather(*[one(r, k) for r, k in zip(rows, keys)])
 
     async def _call_fn(self, row: dict, base_url: str, key: str) -> dict:
-        import openai
-
+        # Each episode its own client and connection pool (one pool shared by 128 episodes stalls in
+        # httpx's pool for seconds), made with one TLS context: a client that makes its own loads the
+        # CA bundle, ~20 ms, 2.6 s a step for 128 episodes on 2 cores.
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()
         client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0,
-                                    timeout=self.cfg.episode_timeout_s)
+                                    timeout=self.cfg.episode_timeout_s,
+                                    http_client=openai.DefaultAsyncHttpxClient(verify=self._tls))
         try:
             value = await asyncio.wait_for(self.fn(client, dict(row)), self.cfg.episode_timeout_s)
         except TimeoutError:

@@ -135,6 +135,11 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        # Counted as busy while parsed or answered, not while generating (BatchingEngine's gather).
+        async with engine.serving() as serving:
+            return await _chat(request, serving)
+
+    async def _chat(request: Request, serving: Any) -> Response:
         session = _auth(request)
         req: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
         async with _session_lock(session):
@@ -152,7 +157,7 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
             params = _params(req, len(prompt_ids), req.token_limit())
             if session is not None and session.greedy:
                 params.temperature = 0.0
-            gen = await engine.generate(prompt_ids, params)
+            gen = await serving.generate(prompt_ids, params)
             out_text = _text(gen.token_ids, params.stop, gen.finish_reason)
             offered = bool(req.tools) and req.tool_choice != "none"
             content, calls, malformed = parse_reply(out_text, offered)
@@ -202,6 +207,10 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        async with engine.serving() as serving:
+            return await _completions(request, serving)
+
+    async def _completions(request: Request, serving: Any) -> Response:
         _auth(request)  # raw prompts are not recorded as episode turns
         req: CompletionRequest = await _body(request, CompletionRequest)
         prompt = req.prompt
@@ -217,7 +226,7 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         params = _params(req, len(ids), req.max_tokens or 16)
-        gen = await engine.generate(ids, params)
+        gen = await serving.generate(ids, params)
         text = _text(gen.token_ids, params.stop, gen.finish_reason)
         stats["completions"] += 1
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(gen.token_ids),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,25 @@ class _Pending:
         self.loop.call_soon_threadsafe(set_)
 
 
+class _Serving:
+    def __init__(self, engine: _EngineBase):
+        self.engine = engine
+
+    async def __aenter__(self) -> _Serving:
+        self.engine.busy += 1
+        return self
+
+    async def generate(self, prompt_ids: list[int], params: GenParams) -> Generated:
+        self.engine.busy -= 1
+        try:
+            return await self.engine.generate(prompt_ids, params)
+        finally:
+            self.engine.busy += 1
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.engine.busy -= 1
+
+
 class _EngineBase:
     """The queue both engines share: ``generate`` puts a request and awaits its future."""
 
@@ -78,6 +98,9 @@ class _EngineBase:
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        # Requests the server is parsing, or whose answers it is writing, now (only the server's
+        # loop changes it): they are about to queue a turn or to let their client send the next.
+        self.busy = 0
 
     async def generate(self, prompt_ids: list[int], params: GenParams) -> Generated:
         if self._closed.is_set():
@@ -86,6 +109,11 @@ class _EngineBase:
         pending = _Pending(list(prompt_ids), params, loop, loop.create_future())
         self._queue.put(pending)
         return await pending.future
+
+    def serving(self) -> Any:
+        """Around a request's handling on the server's loop: ``async with engine.serving() as s:``,
+        then ``await s.generate(...)`` (see ``busy``)."""
+        return _Serving(self)
 
     def _start(self, name: str) -> None:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -177,10 +205,11 @@ class BatchingEngine(_EngineBase):
 
     def __init__(self, generate_fn: Callable[[BatchedDataDict, bool], BatchedDataDict], tokenizer: Any, *,
                  context_length: int, max_batch: int = 256, version_fn: Callable[[], int] = lambda: 0,
-                 gather_s: float = 0.05):
+                 gather_s: float = 0.025, max_gather_s: float = 1.0):
         super().__init__()
         self.generate_fn, self.tokenizer, self.context_length = generate_fn, tokenizer, context_length
         self.max_batch, self.version_fn, self.gather_s = max_batch, version_fn, gather_s
+        self.max_gather_s = max_gather_s
         self.batches = 0  # generate calls made (how well requests batched: requests / batches)
         self.requests = 0
         self._start("nemo-like-serve-batcher")
@@ -191,13 +220,17 @@ class BatchingEngine(_EngineBase):
             pending = carry + self._drain(block=not carry)
             if not pending:
                 continue
-            # Episodes send their turns over a few milliseconds (HTTP, the programs' own work): wait
-            # until none came for gather_s, so that they generate as one batch rather than the first
-            # few alone and the rest one generate call later.
+            # Episodes send their turns over a few hundred milliseconds (HTTP, the programs' own work,
+            # the server writing the last batch's answers): wait until none came for gather_s while
+            # the server is handling none (up to max_gather_s), so that they generate as one batch
+            # rather than the first few alone and the rest one generate call later.
+            deadline = time.monotonic() + self.max_gather_s
             while len(pending) < self.max_batch and not self._closed.is_set():
                 try:
                     item = self._queue.get(timeout=self.gather_s)
                 except queue.Empty:
+                    if self.busy > 0 and time.monotonic() < deadline:
+                        continue
                     break
                 if item is None:
                     break
