@@ -14,17 +14,27 @@ from __future__ import annotations
 import json
 import re
 
-from nemo_like.environments.tool_calls import answers_match, extract_tool_answer
+from nemo_like.environments.tool_calls import answers_match, canonical_call, extract_tool_answer
 from nemo_like.environments.tools import get_tool
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+# Partial credit for calling the right tool with the right arguments, answer right or not (below 1,
+# so that success, reward >= 1, still means a right answer): the tool task's call_match_reward.
+CALL_CREDIT = 0.5
+
+
+def parse_call(text: str) -> dict | None:
+    m = CALL.search(text)
+    try:
+        return json.loads(m.group(1)) if m else None
+    except ValueError:
+        return None
 
 
 def run_tool(text: str) -> str:
     """The tool response for the call in ``text`` (an error message when there is none or it fails)."""
-    m = CALL.search(text)
+    call = parse_call(text)
     try:
-        call = json.loads(m.group(1)) if m else None
         result = get_tool(call["name"]).fn(**call["arguments"])
         return f"<tool_response>{json.dumps(result)}</tool_response>"
     except Exception as e:
@@ -32,8 +42,14 @@ def run_tool(text: str) -> str:
 
 
 async def solve(client, row, max_turns: int = 3) -> dict:
-    """One episode: up to ``max_turns`` model turns; reward 1 for the right answer, else 0."""
+    """One episode: up to ``max_turns`` model turns; reward 1 for the right answer, else 0, plus
+    ``CALL_CREDIT`` when the expected call (the row's ``expected_calls``) was made."""
     messages = list(row["messages"])
+    expected = {canonical_call(c) for c in json.loads(row.get("expected_calls") or "[]")}
+    called: set = set()
+
+    def reward(correct: bool) -> float:
+        return float(correct) + (CALL_CREDIT if expected and expected <= called else 0.0)
     for turn in range(max_turns):
         # No max_tokens: the server's limit (the run's policy.generation.max_new_tokens, and the context)
         # applies; a request whose prompt plus max_tokens passed the context would be refused (400).
@@ -42,8 +58,9 @@ async def solve(client, row, max_turns: int = 3) -> dict:
         text = choice.message.content or ""
         if choice.finish_reason == "stop" and "<tool_call>" in text:  # stopped right after a call
             text += "</tool_call>"
+            called.add(canonical_call(parse_call(text)))
             messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": run_tool(text)}]
             continue
         correct = answers_match(extract_tool_answer(text), str(row["ground_truth"]))
-        return {"reward": float(correct), "turns": turn + 1}
-    return {"reward": 0.0, "turns": max_turns}
+        return {"reward": reward(correct), "correct": float(correct), "turns": turn + 1}
+    return {"reward": reward(False), "correct": 0.0, "turns": max_turns}

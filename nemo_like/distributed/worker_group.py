@@ -180,6 +180,10 @@ class RayWorkerGroup:
             self._ref_info.popitem(last=False)
         return ref
 
+    def has_method(self, method: str) -> bool:
+        """Whether the workers' class has ``method`` (a protocol's optional part)."""
+        return callable(getattr(self._worker_cls, method, None))
+
     def _check_method(self, method: str) -> None:
         if self._shut_down:
             raise RuntimeError(f"RayWorkerGroup {self.name_prefix!r} has been shut down")

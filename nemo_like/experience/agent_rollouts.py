@@ -27,10 +27,14 @@ import torch
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.registry import get_env_class
 from nemo_like.experience.rollouts import run_parts
-from nemo_like.serve.engines import BatchingEngine
+from nemo_like.serve.engines import BatchingEngine, StreamingEngine
 from nemo_like.serve.server import ServerHandle, start_server
 
 SERVED_NAME = "policy"
+
+
+class ServingError(RuntimeError):
+    """The worker taking the server's turns failed: the run cannot generate."""
 
 
 def is_agent_env(env_name: str) -> bool:
@@ -47,8 +51,14 @@ class AgentServer:
     def __init__(self, generator: Any, tokenizer: Any, *, context_length: int, host: str = "127.0.0.1",
                  port: int = 0, version_fn: Any = lambda: 0, port_key: str = "env.agent.port"):
         self.generator = generator
-        self.engine = BatchingEngine(lambda data, greedy: self.generator.generate(data, greedy=greedy), tokenizer,
-                                     context_length=context_length, version_fn=version_fn)
+        # Where the generator's worker can take the turns into its continuous engine as they come,
+        # it does (a turn joins the rows decoding); else they are batched for generate().
+        self.streaming = bool(getattr(generator, "serves_requests", lambda: False)())
+        self.stats: dict[str, float] = {}
+        self.engine = (StreamingEngine(tokenizer, context_length=context_length, version_fn=version_fn)
+                       if self.streaming else
+                       BatchingEngine(lambda data, greedy: self.generator.generate(data, greedy=greedy), tokenizer,
+                                      context_length=context_length, version_fn=version_fn))
         try:
             self.handle: ServerHandle = start_server(self.engine, model_name=SERVED_NAME, host=host, port=port,
                                                      fixed_sampling=True, key=port_key)
@@ -65,6 +75,33 @@ class AgentServer:
         return cls(generator, copy.deepcopy(tokenizer), context_length=config.policy.max_total_sequence_length,
                    host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0), version_fn=version_fn,
                    port_key=f"env.{name}.port")
+
+    def run(self, episodes: ray.ObjectRef) -> Any:
+        """The result of ``episodes`` (an agent actor's ``run_episodes``), the worker taking the server's
+        turns meanwhile when streaming. A worker that stops serving fails the turns it left (the
+        episodes end at once, not at their time limit) and raises ServingError after them."""
+        if not self.streaming:
+            return ray.get(episodes)
+        self.engine.open_rollout()
+        serving = self.generator.start_serving(self.handle.url, self.handle.api_key)
+        failed = None
+        try:
+            ready, _ = ray.wait([episodes, *serving], num_returns=1)
+            if ready[0] != episodes:
+                try:
+                    self.generator.finish_serving(serving)
+                    failed = "the worker stopped taking the server's turns before the episodes ended"
+                except Exception as e:  # noqa: BLE001 - said to every waiting turn, raised below
+                    failed = f"the worker serving the episodes failed: {type(e).__name__}: {str(e)[:300]}"
+                self.engine.fail(failed)
+            results = ray.get(episodes)
+        finally:
+            self.engine.close_rollout()
+            if failed is None:
+                self.stats = self.generator.finish_serving(serving)
+        if failed is not None:
+            raise ServingError(failed)
+        return results
 
     def close(self) -> None:
         self.handle.stop()
@@ -96,8 +133,10 @@ def run_agent_rollout(server: AgentServer, actor: Any, batch: BatchedDataDict, t
         sessions.append(s)
     t0 = time.perf_counter()
     try:
-        results = ray.get(actor.run_episodes.remote([agent_row(batch, i) for i in range(n)], server.handle.base_url,
-                                                     [s.key for s in sessions], SERVED_NAME))
+        results = server.run(actor.run_episodes.remote([agent_row(batch, i) for i in range(n)],
+                                                        server.handle.base_url, [s.key for s in sessions], SERVED_NAME))
+    except ServingError:
+        raise
     except Exception as e:  # the actor died (and its retries): every episode unscorable, the run goes on
         results = [{"reward": None, "metrics": {}, "timed_out": False,
                     "error": f"the agent environment failed: {type(e).__name__}: {str(e)[:300]}"}] * n

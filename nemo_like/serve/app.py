@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nemo_like.models.generation.request_stream import FINISH_ROUTE, TAKE_ROUTE
 from nemo_like.serve.chat import check_text, parse_reply, render_prompt
 from nemo_like.serve.engines import GenParams
 from nemo_like.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, split_noop, validation_message
@@ -132,6 +133,40 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
             raise APIError(400, "reward must be a finite number", param="reward")
         session.reward = value
         return {"ok": True}
+
+    if hasattr(engine, "take"):  # a StreamingEngine: a worker's continuous engine takes the turns
+        def _engine_auth(request: Request) -> None:
+            if _auth(request) is not None:
+                raise APIError(403, "the engine routes take the server's key, not a session's",
+                               type="permission_error")
+
+        async def _json(request: Request) -> dict[str, Any]:
+            try:
+                body = json.loads(await request.body() or b"{}")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise APIError(400, f"request body is not JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise APIError(400, "request body must be a JSON object")
+            return body
+
+        @app.post(TAKE_ROUTE)
+        async def engine_take(request: Request) -> dict[str, Any]:
+            _engine_auth(request)
+            wait = (await _json(request)).get("wait_s", 0.02)
+            if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 5:
+                raise APIError(400, "wait_s must be a number of seconds in [0, 5]", param="wait_s")
+            return await engine.take(float(wait))
+
+        @app.post(FINISH_ROUTE)
+        async def engine_finish(request: Request) -> dict[str, Any]:
+            _engine_auth(request)
+            results = (await _json(request)).get("results")
+            if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+                raise APIError(400, "results must be a list of objects", param="results")
+            try:
+                return {"matched": engine.finish(results)}
+            except (KeyError, TypeError, ValueError) as e:
+                raise APIError(400, f"a result is malformed: {type(e).__name__}: {e}", param="results") from None
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

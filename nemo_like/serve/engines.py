@@ -265,3 +265,97 @@ class BatchingEngine(_EngineBase):
                 toks, lps, finish = toks[: p.params.max_new_tokens], lps[: p.params.max_new_tokens], "length"
             v = int(out["policy_version"][i]) if "policy_version" in out else version
             p.resolve(Generated(toks, lps, finish, v))
+
+
+class StreamingEngine(_EngineBase):
+    """Turns queued for a worker's continuous engine, which takes them over HTTP as they come
+    (``models.generation.request_stream``: the ``/v1/nemo_like/engine/*`` routes call ``take`` and
+    ``finish``) and answers each as soon as its row ends. Training uses it where the generator can
+    serve requests (one worker holding the model): a turn that arrives while others decode joins
+    them, where :class:`BatchingEngine` waits for the batch in progress to end.
+
+    ``open_rollout`` before the episodes start, ``close_rollout`` once they have all ended: a
+    ``take`` then says ``closed`` and the worker goes back to training."""
+
+    def __init__(self, tokenizer: Any, *, context_length: int, version_fn: Callable[[], int] = lambda: 0):
+        super().__init__()
+        self.tokenizer, self.context_length, self.version_fn = tokenizer, context_length, version_fn
+        self._taken: dict[str, _Pending] = {}
+        self._open = False
+        self._wake: asyncio.Event | None = None  # made on the server's loop, where take runs
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._broken: str | None = None
+        self.requests = 0
+
+    async def generate(self, prompt_ids: list[int], params: GenParams) -> Generated:
+        if self._closed.is_set():
+            raise RuntimeError("the engine is closed")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(list(prompt_ids), params, loop, loop.create_future())
+        self._queue.put(pending)
+        self._event().set()
+        return await pending.future
+
+    def _event(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        return self._wake
+
+    def open_rollout(self) -> None:
+        self._open, self._broken = True, None
+
+    def fail(self, why: str) -> None:
+        """The worker stopped taking turns: every turn queued or taken fails with ``why``, and so do
+        new ones until the next rollout opens."""
+        self._broken = why
+        for p in [*self._taken.values(), *self._drain(block=False)]:
+            p.resolve(RuntimeError(why))
+        self._taken.clear()
+
+    def close_rollout(self) -> None:
+        self._open = False
+        if self._wake is not None and self._loop is not None:  # a take waiting now returns at once
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def take(self, wait_s: float) -> dict[str, Any]:
+        """The turns queued now (waiting up to ``wait_s`` for one), as the worker adds them to its
+        batcher; ``closed`` once the rollout is over and none is left."""
+        if self._queue.empty() and self._open:
+            wake = self._event()
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), wait_s)
+            except TimeoutError:
+                pass
+        out = []
+        for p in self._drain(block=False):
+            rid = f"{id(p):x}-{self.requests}"
+            self.requests += 1
+            self._taken[rid] = p
+            greedy = p.params.greedy
+            out.append({"id": rid, "ids": p.ids, "max_new_tokens": p.params.max_new_tokens,
+                        "stop": p.params.stop or None, "greedy": greedy,
+                        "temperature": None if greedy else p.params.temperature,
+                        "top_p": None if greedy else p.params.top_p})
+        return {"requests": out, "closed": not self._open and not out}
+
+    def finish(self, results: list[dict[str, Any]]) -> int:
+        """Answers from the worker (``{"id", "token_ids", "logprobs", "finish_reason"}`` or
+        ``{"id", "error"}``); how many matched a turn taken."""
+        version, matched = int(self.version_fn()), 0
+        for r in results:
+            p = self._taken.pop(str(r.get("id")), None)
+            if p is None:
+                continue
+            matched += 1
+            if r.get("error") is not None:
+                p.resolve(RuntimeError(f"generation failed: {r['error']}"))
+            else:
+                p.resolve(Generated(list(r["token_ids"]), list(r["logprobs"]), str(r["finish_reason"]), version))
+        return matched
+
+    def close(self) -> None:
+        super().close()
+        self.fail("the engine is closed")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
+
 from nemo_like.algorithms.grpo import grpo_train
 from nemo_like.algorithms.grpo_run import setup
 from nemo_like.config import load_config
@@ -32,13 +34,22 @@ def _config(tmp_path, cache, *extra):
     ])
 
 
-def test_grpo_trains_an_agent_program_on_the_tokens_it_was_served(ray_session, tmp_path, base_model_cache):
+@pytest.mark.parametrize("workers", [2, 1], ids=["batched-for-two-ranks", "streamed-into-one-worker"])
+def test_grpo_trains_an_agent_program_on_the_tokens_it_was_served(ray_session, tmp_path, base_model_cache, workers):
+    # Two FSDP ranks decode in lock step: the server batches the turns for generate(). One worker
+    # streaming episodes takes them into its continuous engine as they come (StreamingEngine).
     cfg = _config(tmp_path, base_model_cache, "env.agent.fn=_nl_agent_helpers:two_turns",
-                  "env.agent.episode_timeout_s=1", "grpo.val_at_start=false")
+                  "env.agent.episode_timeout_s=1", "grpo.val_at_start=false",
+                  f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={3 - workers}",
+                  f"policy.generation.stream_episodes={workers == 1}")
     trainer = setup(cfg)
     try:
         results = grpo_train(trainer)
         assert trainer.step_count == 2
+        assert trainer.agent_server.streaming == (workers == 1)
+        if workers == 1:  # the last rollout's (validation's) turns, each taken and answered by the worker
+            stats = trainer.agent_server.stats
+            assert stats["taken"] == stats["answered"] > 0
         batch = trainer.last_batch
         for m in results:
             # Recomputed by the trainer on the recorded tokens, the sampler's log-probs agree.

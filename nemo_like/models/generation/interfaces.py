@@ -48,7 +48,8 @@ class GenerationConfig(BaseModel):
     # rows keep decoding (nemo_like/experience/streaming.py). False (default): turn by turn, every
     # sample's turn generated, then all graded. Off because on 2 CPU cores it measured slower: the
     # graders' CPU work then competes with decoding for the same cores (docs/performance.md,
-    # "Streamed episodes against turn by turn").
+    # "Streamed episodes against turn by turn"). The same for agent programs: with it the trainer's
+    # OpenAI-compatible server feeds each request into the worker's engine as it arrives (one rank).
     stream_episodes: bool = False
     # Prefix caching (models/generation/prefix_cache.py): a multi-turn episode's next turn is prefilled
     # on top of the KV its last turn left, not from scratch. At most this many tokens are kept per

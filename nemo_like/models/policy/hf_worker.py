@@ -20,6 +20,7 @@ from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.experience.streaming import stream_episodes
 from nemo_like.models.generation.hf_generation import hf_generate
 from nemo_like.models.generation.prefix_cache import make_prefix_cache
+from nemo_like.models.generation.request_stream import serve_remote_requests
 from nemo_like.models.policy.interfaces import PolicyConfig
 from nemo_like.models.policy.lora import (
     apply_lora,
@@ -172,6 +173,20 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
                                        max_total_length=self.cfg.max_total_sequence_length,
                                        slots=self.cfg.generation.max_num_seqs or self.cfg.generation_batch_size,
                                        device=self.device, prefix_cache=self._prefix_cache, **kwargs)
+            finally:
+                self.model.train()
+
+    def serve_requests(self, url: str, key: str | None) -> dict[str, float]:
+        """Decode the turns the trainer's server at ``url`` queues (``request_stream``) until it
+        closes the rollout (one rank: ``Policy.serves_requests``)."""
+        self.model.eval()
+        with self._gathered(), self._autocast(self.cfg.precision):
+            try:
+                return serve_remote_requests(
+                    self.model, self.tokenizer, self.cfg.generation, url, key,
+                    max_total_length=self.cfg.max_total_sequence_length,
+                    slots=self.cfg.generation.max_num_seqs or self.cfg.generation_batch_size,
+                    device=self.device, prefix_cache=self._prefix_cache)
             finally:
                 self.model.train()
 

@@ -69,6 +69,21 @@ class Policy(PolicyInterface, GenerationInterface):
             self.worker_group.run_all_workers_single_data("generate_episodes", sub, envs, **kwargs))[0]
         return with_episodes(batch, out), metrics
 
+    def serves_requests(self) -> bool:
+        """Whether the worker can take an OpenAI-compatible server's turns into its continuous
+        engine as they come (``start_serving``); else the server batches them for ``generate``."""
+        # Where episodes stream (policy.generation.stream_episodes, one rank, the continuous engine):
+        # the same trade, measured in performance.md.
+        return self.streams_episodes() and self.worker_group.has_method("serve_requests")
+
+    def start_serving(self, url: str, key: str | None) -> list[ray.ObjectRef]:
+        """The worker decodes the turns the server at ``url`` queues until the server closes the
+        rollout; ``finish_serving`` the refs after that."""
+        return self.worker_group.run_all_workers_single_data("serve_requests", url, key)
+
+    def finish_serving(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
+        return self.worker_group.get_all_worker_results(refs)[0]
+
     @staticmethod
     def _logprob_inputs(data: BatchedDataDict) -> BatchedDataDict:
         # token_mask travels only to mark each sample's prompt, which packing computes once per group.

@@ -1,15 +1,23 @@
-"""The training server's BatchingEngine: requests that arrive while the server is still parsing
-others, or writing the last batch's answers, generate as one batch."""
+"""The training server's engines. BatchingEngine: requests that arrive while the server is still
+parsing others, or writing the last batch's answers, generate as one batch. StreamingEngine: a
+worker's continuous engine takes the turns over HTTP as they come and answers each as it ends."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import httpx
+import openai
+import pytest
 import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
-from nemo_like.models.tiny import build_char_tokenizer
-from nemo_like.serve.engines import BatchingEngine, GenParams
+from nemo_like.models.generation.request_stream import TAKE_ROUTE, serve_remote_requests
+from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
+from nemo_like.serve.engines import BatchingEngine, GenParams, StreamingEngine
+from nemo_like.serve.loading import load_engine
+from nemo_like.serve.server import start_server
 
 
 def echo_engine(tmp_path, sizes: list[int]) -> BatchingEngine:
@@ -75,4 +83,85 @@ def test_a_request_that_never_reaches_the_engine_holds_the_batch_only_up_to_max_
         waited = asyncio.run(run())
         assert sizes == [1] and 0.25 < waited < 1.2
     finally:
+        engine.close()
+
+
+# ---- StreamingEngine: a worker's continuous engine takes the server's turns over HTTP ----------------
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream_tiny")
+    tok = build_char_tokenizer(d)
+    build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=256, seed=0, save_dir=d)
+    engine = load_engine(str(d), max_num_seqs=4, max_model_len=128)
+    yield engine
+    engine.close()
+
+
+async def _chats(server, prompts: list[str], **kw) -> list:
+    c = openai.AsyncOpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=60)
+    try:
+        return await asyncio.gather(*[c.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": p}], **kw) for p in prompts])
+    finally:
+        await c.close()
+
+
+def test_a_worker_engine_serves_the_turns_as_they_come_and_stops_when_the_rollout_closes(local):
+    prompts = [f"{i}+{i}=" for i in range(7)]  # more than the 4 rows: some wait for a free row
+    want_server = start_server(local, model_name="policy")
+    engine = StreamingEngine(local.tokenizer, context_length=128, version_fn=lambda: 7)
+    server = start_server(engine, model_name="policy")
+    stats: dict = {}
+    try:
+        want = asyncio.run(_chats(want_server, prompts, max_tokens=9, temperature=0, logprobs=True))
+        engine.open_rollout()
+        worker = threading.Thread(target=lambda: stats.update(serve_remote_requests(
+            local.model, local.tokenizer, local.cfg, server.url, server.api_key, max_total_length=128, slots=4,
+            device=torch.device("cpu"))))
+        worker.start()
+        got = asyncio.run(_chats(server, prompts, max_tokens=9, temperature=0, logprobs=True))
+        assert worker.is_alive()  # serving until the rollout closes
+        engine.close_rollout()
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+    finally:
+        server.stop()
+        want_server.stop()
+        engine.close()
+    for g, w in zip(got, want):
+        assert g.choices[0].message.content == w.choices[0].message.content
+        assert g.choices[0].finish_reason == w.choices[0].finish_reason
+        lp_g = [t.logprob for t in g.choices[0].logprobs.content]
+        lp_w = [t.logprob for t in w.choices[0].logprobs.content]
+        assert lp_g == pytest.approx(lp_w, abs=1e-4)
+    assert stats["taken"] == stats["answered"] == len(prompts)
+
+
+def test_turns_fail_at_once_when_the_worker_stops_serving_and_the_routes_want_the_servers_key(tmp_path):
+    tok = build_char_tokenizer(tmp_path)
+    engine = StreamingEngine(tok, context_length=64)
+    server = start_server(engine, model_name="policy")
+    try:
+        engine.open_rollout()
+
+        async def run():
+            task = asyncio.create_task(_chats(server, ["1+1="], max_tokens=4))
+            await asyncio.sleep(0.3)
+            assert not task.done()  # queued: no worker has taken it
+            engine.fail("the worker serving the episodes failed: boom")
+            with pytest.raises(openai.InternalServerError, match="boom"):
+                await task
+        asyncio.run(run())
+        s = server.sessions.open(tag=0)
+        r = httpx.post(server.url + TAKE_ROUTE, json={"wait_s": 0}, headers={"Authorization": f"Bearer {s.key}"})
+        assert r.status_code == 403 and "server's key" in r.json()["error"]["message"]
+        r = httpx.post(server.url + TAKE_ROUTE, json={"wait_s": "soon"},
+                       headers={"Authorization": f"Bearer {server.api_key}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "wait_s"
+        engine.close_rollout()
+        r = httpx.post(server.url + TAKE_ROUTE, json={"wait_s": 0}, headers={"Authorization": f"Bearer {server.api_key}"})
+        assert r.json() == {"requests": [], "closed": True}
+    finally:
+        server.stop()
         engine.close()
