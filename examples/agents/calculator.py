@@ -1,12 +1,16 @@
 """A tool-using agent written only against an OpenAI client: it asks the model, runs the tool the
 model calls, hands back the result, and scores the final answer. Nothing in it knows about training.
 
-The tiny model's tool format (what its bootstrap taught it): a call is
-``<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>``, a result comes back as a
-``tool`` message ``<tool_response>3</tool_response>``, and the answer is ``\\boxed{3}``. The agent
-parses the call from the reply's text itself (its tools are too long to describe to a 160-token model
-in a system message); a model whose chat template renders tools would get ``tools=`` and read
-``message.tool_calls`` instead.
+Two agents over the same task:
+
+* ``solve``, for the tiny model, in the format its bootstrap taught it: a call is
+  ``<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>``, a result comes back as a
+  ``tool`` message ``<tool_response>3</tool_response>``, and the answer is ``\\boxed{3}``. It parses the
+  call from the reply's text itself (the tools' schemas are too long for a 160-token model's context).
+* ``solve_with_tools``, for any chat model: the API's own tool calling. It sends ``tools=`` (the server
+  renders them with the model's chat template, or describes them in a system message in the Hermes
+  convention when the template cannot), runs the ``message.tool_calls`` the server parsed, and
+  answers them with ``tool`` messages carrying their ids.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import re
 
 from nemo_like.environments.tool_calls import answers_match, canonical_call, extract_tool_answer
-from nemo_like.environments.tools import get_tool
+from nemo_like.environments.tools import get_tool, tool_schemas
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 # Partial credit for calling the right tool with the right arguments, answer right or not (below 1,
@@ -63,4 +67,35 @@ async def solve(client, row, max_turns: int = 3) -> dict:
             continue
         correct = answers_match(extract_tool_answer(text), str(row["ground_truth"]))
         return {"reward": reward(correct), "correct": float(correct), "turns": turn + 1}
+    return {"reward": reward(False), "correct": 0.0, "turns": max_turns}
+
+
+SYSTEM = "Use the tools to answer. Give the final answer as \\boxed{number}."
+
+
+async def solve_with_tools(client, row, max_turns: int = 3) -> dict:
+    """``solve`` through ``tools=`` and ``message.tool_calls``, with the same reward."""
+    messages = [{"role": "system", "content": SYSTEM}, *row["messages"]]
+    expected = {canonical_call(c) for c in json.loads(row.get("expected_calls") or "[]")}
+    called: set = set()
+    tools = tool_schemas(["add", "mul", "lookup"])
+
+    def reward(correct: bool) -> float:
+        return float(correct) + (CALL_CREDIT if expected and expected <= called else 0.0)
+    for turn in range(max_turns):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            correct = answers_match(extract_tool_answer(message.content or ""), str(row["ground_truth"]))
+            return {"reward": reward(correct), "correct": float(correct), "turns": turn + 1}
+        messages.append({"role": "assistant", "content": message.content,
+                         "tool_calls": [c.model_dump() for c in message.tool_calls]})
+        for c in message.tool_calls:
+            try:
+                args = json.loads(c.function.arguments)
+                called.add(canonical_call({"name": c.function.name, "arguments": args}))
+                content = json.dumps(get_tool(c.function.name).fn(**args))
+            except Exception as e:
+                content = json.dumps({"error": type(e).__name__})
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": content})
     return {"reward": reward(False), "correct": 0.0, "turns": max_turns}
