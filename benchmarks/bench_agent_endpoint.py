@@ -58,12 +58,14 @@ print("RESULT " + json.dumps({{"times": times, "reward": m.get("train/reward_mea
 def run_steps(steps: int, extra: list[str]) -> dict[str, dict]:
     """Seconds per GRPO step, in-process tool environment against the endpoint and agent program."""
     base = [f"grpo.max_num_steps={steps}", *QUIET, *extra]
+    # The same problems (all three kinds, as the tool task's recipes train), turns and limits; only who
+    # drives the episode differs.
+    gen = "generator: {kind: tool, split: train, num_samples: 6000, seed: 1, weights: [1, 1, 2]}"
     sides = {
-        # The same problems, turns and limits; only who drives the episode differs.
-        "in-process tool env": base + ["data.train={task_name: calculator, env_name: tool, generator: {kind: tool, "
-                                       "split: train, num_samples: 6000, seed: 1, weights: [1, 1, 2]}}",
-                                       "data.validation=null", "env.tool.max_turns=3", "env.tool.call_match_reward=0"],
-        "endpoint + agent": base + ["data.validation=null"],
+        "in-process tool env": base + [f"data.train={{task_name: calculator, env_name: tool, {gen}}}",
+                                       "data.validation=null", "env.tool.max_turns=3", "env.tool.call_match_reward=0.5"],
+        "endpoint + agent": base + [f"data.train={{task_name: calculator, env_name: agent, {gen}}}",
+                                    "data.validation=null"],
     }
     out = {}
     for name, overrides in sides.items():
