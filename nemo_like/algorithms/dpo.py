@@ -45,7 +45,7 @@ from nemo_like.data.processors import render_chat, tokenize_text
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.math_environment import verify_math_answer
 from nemo_like.models.policy.interfaces import PolicyConfig
-from nemo_like.models.policy.packing import attention_cost_ratio, plan_microbatches
+from nemo_like.models.policy.packing import attention_cost_ratio, count_microbatches
 from nemo_like.utils.checkpoint import CheckpointingConfig
 from nemo_like.utils.logger import LoggerConfig
 from nemo_like.utils.stats import paired_change
@@ -220,8 +220,8 @@ def attention_ratio(model_dir: str, trust_remote_code: bool = False) -> float:
 def _one_micro_batch(policy: Any, batch: BatchedDataDict, ratio: float) -> bool:
     """The worker computes this batch in a single forward pass: one worker, and its plan (the same
     pure function the worker calls on the same tensors) is one micro-batch, so every pair is whole in it."""
-    return policy.world_size == 1 and len(plan_microbatches(batch, policy.cfg, policy.cfg.train_micro_batch_size,
-                                                            ratio)) == 1
+    return policy.world_size == 1 and count_microbatches(batch, policy.cfg, policy.cfg.train_micro_batch_size,
+                                                         ratio) == 1
 
 
 def dpo_step(policy: Any, train: dict[str, torch.Tensor], ref: torch.Tensor, n_tokens: torch.Tensor,

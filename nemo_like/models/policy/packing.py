@@ -89,9 +89,12 @@ def shared_prefix_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor, len
     return torch.where(has & (first < lengths), first, torch.zeros_like(first))
 
 
-def _units(input_ids: torch.Tensor, lengths: list[int], prefix_lens: list[int] | None, row_length: int) -> list[_Unit]:
+def _prefix_groups(input_ids: torch.Tensor, lengths: list[int], prefix_lens: list[int] | None
+                   ) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """The samples that share no prompt, and (prompt length, members) for each prompt shared token
+    for token. Independent of the row length, so a search over row lengths groups once."""
     if prefix_lens is None:
-        return [_Unit(0, [i], n) for i, n in enumerate(lengths)]
+        return list(range(len(lengths))), []
     groups: dict[tuple[int, ...], list[int]] = {}
     alone: list[int] = []
     for i, (n, p) in enumerate(zip(lengths, prefix_lens)):
@@ -99,14 +102,17 @@ def _units(input_ids: torch.Tensor, lengths: list[int], prefix_lens: list[int] |
             groups.setdefault(tuple(input_ids[i, :p].tolist()), []).append(i)
         else:
             alone.append(i)
+    return alone, [(len(key), members) for key, members in groups.items()]
+
+
+def _units(lengths: list[int], alone: list[int], groups: list[tuple[int, list[int]]], row_length: int) -> list[_Unit]:
     units = [_Unit(0, [i], lengths[i]) for i in alone]
 
     def close(p: int, members: list[int], size: int) -> None:
         # A prompt shared by nobody is just a sample.
         units.append(_Unit(p, members, size) if len(members) > 1 else _Unit(0, members, lengths[members[0]]))
 
-    for key, members in groups.items():
-        p = len(key)
+    for p, members in groups:
         # A group longer than a row is split into sub-groups, each with its own copy of the prompt.
         cur: list[int] = []
         size = p
@@ -121,16 +127,9 @@ def _units(input_ids: torch.Tensor, lengths: list[int], prefix_lens: list[int] |
     return units
 
 
-def plan_rows(input_ids: torch.Tensor, lengths: torch.Tensor, row_length: int,
-              prefix_lens: torch.Tensor | None = None) -> list[list[_Unit]]:
+def _first_fit(units: list[_Unit], row_length: int) -> list[list[_Unit]]:
     """First-fit decreasing of units into rows of at most ``row_length`` tokens."""
-    lens = [int(n) for n in lengths]
-    if lens and max(lens) > row_length:
-        raise ValueError(f"a sample of {max(lens)} tokens does not fit a packed row of {row_length} tokens "
-                         "(policy.sequence_packing.max_tokens_per_microbatch / row_length must be at least "
-                         "policy.max_total_sequence_length)")
-    units = _units(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens], row_length)
-    units.sort(key=lambda u: -u.size)
+    units = sorted(units, key=lambda u: -u.size)
     rows: list[list[_Unit]] = []
     free: list[int] = []
     for u in units:
@@ -143,6 +142,23 @@ def plan_rows(input_ids: torch.Tensor, lengths: torch.Tensor, row_length: int,
             rows.append([u])
             free.append(row_length - u.size)
     return rows
+
+
+def _checked_lengths(lengths: torch.Tensor, row_length: int) -> list[int]:
+    lens = [int(n) for n in lengths]
+    if lens and max(lens) > row_length:
+        raise ValueError(f"a sample of {max(lens)} tokens does not fit a packed row of {row_length} tokens "
+                         "(policy.sequence_packing.max_tokens_per_microbatch / row_length must be at least "
+                         "policy.max_total_sequence_length)")
+    return lens
+
+
+def plan_rows(input_ids: torch.Tensor, lengths: torch.Tensor, row_length: int,
+              prefix_lens: torch.Tensor | None = None) -> list[list[_Unit]]:
+    """First-fit decreasing of units into rows of at most ``row_length`` tokens."""
+    lens = _checked_lengths(lengths, row_length)
+    alone, groups = _prefix_groups(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens])
+    return _first_fit(_units(lens, alone, groups, row_length), row_length)
 
 
 def group_rows(rows: list[list[_Unit]], max_tokens: int) -> list[list[list[_Unit]]]:
@@ -200,11 +216,13 @@ def plan_rows_auto(input_ids: torch.Tensor, lengths: torch.Tensor, max_row_lengt
     longest = max(int(n) for n in lengths)
     if ratio <= 0 or longest >= max_row_length:
         return plan_rows(input_ids, lengths, max_row_length, prefix_lens)
+    lens = _checked_lengths(lengths, max_row_length)
+    alone, groups = _prefix_groups(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens])
     step = max(16, (max_row_length - longest) // 12)
     candidates = sorted({*range(longest, max_row_length, step), max_row_length})
     best, best_cost = None, float("inf")
     for n in candidates:
-        rows = plan_rows(input_ids, lengths, n, prefix_lens)
+        rows = _first_fit(_units(lens, alone, groups, n), n)
         cost = packing_cost(group_rows(rows, max_tokens), ratio)
         if cost < best_cost:
             best, best_cost = rows, cost
@@ -213,46 +231,74 @@ def plan_rows_auto(input_ids: torch.Tensor, lengths: torch.Tensor, max_row_lengt
 
 def build_packed(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[list[_Unit]]) -> PackedBatch:
     """Lay ``rows`` out as tensors; ``input_ids`` is the caller's right-padded [B, T] batch."""
-    width_rows = max(sum(u.size for u in r) for r in rows)
+    W = max(sum(u.size for u in r) for r in rows)
     R = len(rows)
-    ids = torch.zeros((R, width_rows), dtype=input_ids.dtype)
-    pos = torch.zeros((R, width_rows), dtype=torch.long)
-    uid = torch.full((R, width_rows), -1, dtype=torch.long)
-    seg = torch.zeros((R, width_rows), dtype=torch.long)
+    lens = [int(n) for n in lengths]
     sample_idx = [i for r in rows for u in r for i in u.members]
     local = {i: k for k, i in enumerate(sample_idx)}
-    T = max(int(lengths[i]) for i in sample_idx)
-    src_row = torch.zeros((len(sample_idx), T), dtype=torch.long)
-    src_col = torch.zeros((len(sample_idx), T), dtype=torch.long)
+    T = max(lens[i] for i in sample_idx)
+    # Index lists built with range() and scattered in one go: a few tensor ops per batch rather than
+    # several per sample (this runs on the driver and the worker every step).
+    at: list[int] = []  # flat position (r * W + column) of each laid-out token
+    smp: list[int] = []  # ... its sample and column in input_ids
+    col: list[int] = []
+    pos: list[int] = []  # its position id, unit and segment
+    uid: list[int] = []
+    seg: list[int] = []
+    dst: list[int] = []  # flat [b, T] index of each predicted token t >= 1 ...
+    s_row: list[int] = []  # ... and the row and column of the logits that predict it
+    s_col: list[int] = []
     n_unit = 0
     for r, row in enumerate(rows):
-        off = 0
+        c = 0
         for u in row:
             p = u.prefix_len
+            prefix_at = c
             if p:
-                ids[r, off : off + p] = input_ids[u.members[0], :p]
-                pos[r, off : off + p] = torch.arange(p)
-                uid[r, off : off + p] = n_unit
-                prefix_at = off
-                off += p
+                at.extend(range(r * W + c, r * W + c + p))
+                smp.extend([u.members[0]] * p)
+                col.extend(range(p))
+                pos.extend(range(p))
+                uid.extend([n_unit] * p)
+                seg.extend([0] * p)
+                c += p
             for k, i in enumerate(u.members, start=1):
-                n = int(lengths[i])
-                ids[r, off : off + n - p] = input_ids[i, p:n]
-                pos[r, off : off + n - p] = torch.arange(p, n)
-                uid[r, off : off + n - p] = n_unit
-                seg[r, off : off + n - p] = k if p else 0
+                n = lens[i]
+                m = n - p
+                at.extend(range(r * W + c, r * W + c + m))
+                smp.extend([i] * m)
+                col.extend(range(p, n))
+                pos.extend(range(p, n))
+                uid.extend([n_unit] * m)
+                seg.extend([k if p else 0] * m)
                 # Token t is predicted at the position of token t-1: in the prefix, or in its own part.
-                t_prev = torch.arange(n - 1)
-                col = torch.where(t_prev < p, (prefix_at if p else 0) + t_prev, off + t_prev - p)
-                src_row[local[i], 1:n] = r
-                src_col[local[i], 1:n] = col
-                off += n - p
+                dst.extend(range(local[i] * T + 1, local[i] * T + n))
+                s_row.extend([r] * (n - 1))
+                s_col.extend(range(prefix_at, prefix_at + p))
+                s_col.extend(range(c, c + n - 1 - p))
+                c += m
             n_unit += 1
+    at_t = torch.tensor(at, dtype=torch.long)
+    ids = torch.zeros(R * W, dtype=input_ids.dtype)
+    ids[at_t] = input_ids[torch.tensor(smp, dtype=torch.long), torch.tensor(col, dtype=torch.long)]
+    position = torch.zeros(R * W, dtype=torch.long)
+    position[at_t] = torch.tensor(pos, dtype=torch.long)
+    unit = torch.full((R * W,), -1, dtype=torch.long)
+    unit[at_t] = torch.tensor(uid, dtype=torch.long)
+    segment = torch.zeros(R * W, dtype=torch.long)
+    segment[at_t] = torch.tensor(seg, dtype=torch.long)
+    b = len(sample_idx)
+    dst_t = torch.tensor(dst, dtype=torch.long)
+    src_row = torch.zeros(b * T, dtype=torch.long)
+    src_row[dst_t] = torch.tensor(s_row, dtype=torch.long)
+    src_col = torch.zeros(b * T, dtype=torch.long)
+    src_col[dst_t] = torch.tensor(s_col, dtype=torch.long)
     sub = input_ids[sample_idx, :T]
-    valid = torch.arange(T)[None, :].expand(len(sample_idx), T) < lengths[sample_idx][:, None]
+    valid = torch.arange(T)[None, :].expand(b, T) < lengths[sample_idx][:, None]
     valid[:, 0] = False
     targets = torch.where(valid, sub, torch.zeros_like(sub))
-    return PackedBatch(ids, pos, uid, seg, sample_idx, src_row, src_col, targets, valid, T)
+    return PackedBatch(ids.view(R, W), position.view(R, W), unit.view(R, W), segment.view(R, W), sample_idx,
+                       src_row.view(b, T), src_col.view(b, T), targets, valid, T)
 
 
 def packed_token_logprobs(model, packed: PackedBatch, temperature: float,
@@ -336,6 +382,28 @@ class MicroBatch:
         self.sample_tokens = int(lengths.sum())
 
 
+def _packed_groups(data: BatchedDataDict, cfg: PolicyConfig, attention_ratio: float) -> list[list[list[_Unit]]]:
+    """Packing's plan: the rows of each micro-batch."""
+    sp = cfg.sequence_packing
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    prefix = (shared_prefix_lengths(ids, data["token_mask"], lengths)
+              if sp.share_prompt_prefix and "token_mask" in data else None)
+    if sp.row_length is None:
+        rows = plan_rows_auto(ids, lengths, cfg.packing_row_length, sp.max_tokens_per_microbatch,
+                              attention_ratio, prefix)
+    else:
+        rows = plan_rows(ids, lengths, sp.row_length, prefix)
+    return group_rows(rows, sp.max_tokens_per_microbatch)
+
+
+def count_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int, attention_ratio: float = 0.0) -> int:
+    """``len(plan_microbatches(...))`` without laying the micro-batches out: for a caller that only
+    needs to know how the worker will cut the batch."""
+    if cfg.sequence_packing.enabled:
+        return len(_packed_groups(data, cfg, attention_ratio))
+    return len(plan_microbatches(data, cfg, mb_size, attention_ratio))
+
+
 def plan_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int,
                       attention_ratio: float = 0.0) -> list[MicroBatch]:
     """How a batch is cut into forward passes: packed rows under a token budget, right-padded
@@ -344,15 +412,8 @@ def plan_microbatches(data: BatchedDataDict, cfg: PolicyConfig, mb_size: int,
     sp, db = cfg.sequence_packing, cfg.dynamic_batching
     if sp.enabled:
         ids, lengths = data["input_ids"], data["input_lengths"]
-        prefix = (shared_prefix_lengths(ids, data["token_mask"], lengths)
-                  if sp.share_prompt_prefix and "token_mask" in data else None)
-        if sp.row_length is None:
-            rows = plan_rows_auto(ids, lengths, cfg.packing_row_length, sp.max_tokens_per_microbatch,
-                                  attention_ratio, prefix)
-        else:
-            rows = plan_rows(ids, lengths, sp.row_length, prefix)
         out = []
-        for group in group_rows(rows, sp.max_tokens_per_microbatch):
+        for group in _packed_groups(data, cfg, attention_ratio):
             packed = build_packed(ids, lengths, group)
             mb = data.select_indices(packed.sample_idx).cut_width(packed.width)
             out.append(MicroBatch(packed.sample_idx, mb, packed))

@@ -16,6 +16,7 @@ from nemo_like.models.policy.packing import (
     attention_cost_ratio,
     build_packed,
     check_packing_supported,
+    count_microbatches,
     group_rows,
     packed_token_logprobs,
     packing_cost,
@@ -159,6 +160,26 @@ def test_padding_efficiency_rises_with_packing():
     # One micro-batch comes back as given: as wide as the batch.
     assert padded == pytest.approx(float(lengths.sum()) / ids.numel())
     assert packed > 0.9 > padded
+
+
+@pytest.mark.parametrize("cfg", [
+    {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 96}},
+    {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 4096}},
+    {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 96, "row_length": 48,
+                          "share_prompt_prefix": False}},
+    {"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 120}},
+    {},
+])
+def test_count_microbatches_is_the_plans_length(cfg):
+    ids, lengths, tm = _grpo_batch(512, groups=4, G=4, T=40)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
+    pc = PolicyConfig(model_name="x", max_total_sequence_length=40, train_global_batch_size=16,
+                      train_micro_batch_size=5, **cfg)
+    for ratio in (0.0, 0.01):
+        n = len(plan_microbatches(data, pc, 5, ratio))
+        assert count_microbatches(data, pc, 5, ratio) == n
+    # The budgets above give one pass for the whole batch only where it fits.
+    assert (n == 1) == (cfg.get("sequence_packing", {}).get("max_tokens_per_microbatch") == 4096)
 
 
 def test_chosen_row_length_pays_less_attention_than_the_longest_rows():

@@ -68,3 +68,33 @@ def test_replicas_share_rank0s_init_and_average_gradients(tmp_path):
         g0, g1 = r0["grads"][n], r1["grads"][n]
         assert (g0 is None and g1 is None) or torch.equal(g0, g1), n
     assert r0["norm"] == r1["norm"] > 0
+
+
+def test_optimizer_is_fused_on_plain_tensors_and_takes_adamws_step():
+    from types import SimpleNamespace
+
+    from nemo_like.models.worker_base import fused_adamw_supported, make_optimizer
+
+    torch.manual_seed(0)
+    net, ref = nn.Linear(8, 4), nn.Linear(8, 4)
+    ref.load_state_dict(net.state_dict())
+    o = SimpleNamespace(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt, sched = make_optimizer(net.parameters(), o, SimpleNamespace(lr_factor=lambda s: 1.0))
+    assert opt.defaults["fused"] is True
+    textbook = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                 foreach=False)
+    x = torch.randn(16, 8)
+    for _ in range(3):
+        for m, op in ((net, opt), (ref, textbook)):
+            op.zero_grad()
+            (m(x) ** 2).mean().backward()
+            op.step()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    # A resumed run loads the state it saved into a fresh fused optimizer.
+    again, _ = make_optimizer(net.parameters(), o, SimpleNamespace(lr_factor=lambda s: 1.0))
+    again.load_state_dict(opt.state_dict())
+    assert float(again.state[next(net.parameters())]["step"]) == 3.0
+    # Not for what the fused kernel cannot take: no parameters, or integer tensors.
+    assert not fused_adamw_supported([])
+    assert not fused_adamw_supported([torch.zeros(2, dtype=torch.long)])
