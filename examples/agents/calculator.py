@@ -45,15 +45,26 @@ def run_tool(text: str) -> str:
         return f'<tool_response>{{"error": "{type(e).__name__}"}}</tool_response>'
 
 
-async def solve(client, row, max_turns: int = 3) -> dict:
-    """One episode: up to ``max_turns`` model turns; reward 1 for the right answer, else 0, plus
-    ``CALL_CREDIT`` when the expected call (the row's ``expected_calls``) was made."""
-    messages = list(row["messages"])
-    expected = {canonical_call(c) for c in json.loads(row.get("expected_calls") or "[]")}
-    called: set = set()
+class _Score:
+    """Both agents' reward: 1 for the right answer, else 0, plus ``CALL_CREDIT`` once the expected call
+    (the row's ``expected_calls``) was made."""
 
-    def reward(correct: bool) -> float:
-        return float(correct) + (CALL_CREDIT if expected and expected <= called else 0.0)
+    def __init__(self, row: dict):
+        self.truth = str(row["ground_truth"])
+        self.expected = {canonical_call(c) for c in json.loads(row.get("expected_calls") or "[]")}
+        self.called: set = set()
+
+    def result(self, answer: str | None, turns: int) -> dict:
+        """``answer``: the final reply's text (None: no answer within the turns)."""
+        correct = answer is not None and answers_match(extract_tool_answer(answer), self.truth)
+        credit = CALL_CREDIT if self.expected and self.expected <= self.called else 0.0
+        return {"reward": float(correct) + credit, "correct": float(correct), "turns": turns}
+
+
+async def solve(client, row, max_turns: int = 3) -> dict:
+    """One episode: up to ``max_turns`` model turns, scored by ``_Score``."""
+    messages = list(row["messages"])
+    score = _Score(row)
     for turn in range(max_turns):
         # No max_tokens: the server's limit (the run's policy.generation.max_new_tokens, and the context)
         # applies; a request whose prompt plus max_tokens passed the context would be refused (400).
@@ -62,12 +73,11 @@ async def solve(client, row, max_turns: int = 3) -> dict:
         text = choice.message.content or ""
         if choice.finish_reason == "stop" and "<tool_call>" in text:  # stopped right after a call
             text += "</tool_call>"
-            called.add(canonical_call(parse_call(text)))
+            score.called.add(canonical_call(parse_call(text)))
             messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": run_tool(text)}]
             continue
-        correct = answers_match(extract_tool_answer(text), str(row["ground_truth"]))
-        return {"reward": reward(correct), "correct": float(correct), "turns": turn + 1}
-    return {"reward": reward(False), "correct": 0.0, "turns": max_turns}
+        return score.result(text, turn + 1)
+    return score.result(None, max_turns)
 
 
 SYSTEM = "Use the tools to answer. Give the final answer as \\boxed{number}."
@@ -76,26 +86,21 @@ SYSTEM = "Use the tools to answer. Give the final answer as \\boxed{number}."
 async def solve_with_tools(client, row, max_turns: int = 3) -> dict:
     """``solve`` through ``tools=`` and ``message.tool_calls``, with the same reward."""
     messages = [{"role": "system", "content": SYSTEM}, *row["messages"]]
-    expected = {canonical_call(c) for c in json.loads(row.get("expected_calls") or "[]")}
-    called: set = set()
+    score = _Score(row)
     tools = tool_schemas(["add", "mul", "lookup"])
-
-    def reward(correct: bool) -> float:
-        return float(correct) + (CALL_CREDIT if expected and expected <= called else 0.0)
     for turn in range(max_turns):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
         message = reply.choices[0].message
         if not message.tool_calls:
-            correct = answers_match(extract_tool_answer(message.content or ""), str(row["ground_truth"]))
-            return {"reward": reward(correct), "correct": float(correct), "turns": turn + 1}
+            return score.result(message.content or "", turn + 1)
         messages.append({"role": "assistant", "content": message.content,
                          "tool_calls": [c.model_dump() for c in message.tool_calls]})
         for c in message.tool_calls:
             try:
                 args = json.loads(c.function.arguments)
-                called.add(canonical_call({"name": c.function.name, "arguments": args}))
+                score.called.add(canonical_call({"name": c.function.name, "arguments": args}))
                 content = json.dumps(get_tool(c.function.name).fn(**args))
             except Exception as e:
                 content = json.dumps({"error": type(e).__name__})
             messages.append({"role": "tool", "tool_call_id": c.id, "content": content})
-    return {"reward": reward(False), "correct": 0.0, "turns": max_turns}
+    return score.result(None, max_turns)

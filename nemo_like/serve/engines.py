@@ -105,10 +105,18 @@ class _EngineBase:
     async def generate(self, prompt_ids: list[int], params: GenParams) -> Generated:
         if self._closed.is_set():
             raise RuntimeError("the engine is closed")
+        self._check_open()
         loop = asyncio.get_running_loop()
         pending = _Pending(list(prompt_ids), params, loop, loop.create_future())
         self._queue.put(pending)
+        self._queued()
         return await pending.future
+
+    def _check_open(self) -> None:
+        """Raise where a new turn cannot be answered (beyond the engine being closed)."""
+
+    def _queued(self) -> None:
+        """On the server's loop, after a turn was queued."""
 
     def serving(self) -> Any:
         """Around a request's handling on the server's loop: ``async with engine.serving() as s:``,
@@ -287,16 +295,12 @@ class StreamingEngine(_EngineBase):
         self._broken: str | None = None
         self.requests = 0
 
-    async def generate(self, prompt_ids: list[int], params: GenParams) -> Generated:
-        if self._closed.is_set():
-            raise RuntimeError("the engine is closed")
-        if self._broken is not None:
+    def _check_open(self) -> None:
+        if self._broken is not None:  # the worker stopped taking turns: this one would wait forever
             raise RuntimeError(self._broken)
-        loop = asyncio.get_running_loop()
-        pending = _Pending(list(prompt_ids), params, loop, loop.create_future())
-        self._queue.put(pending)
-        self._event().set()
-        return await pending.future
+
+    def _queued(self) -> None:
+        self._event().set()  # a take waiting for turns returns now
 
     def _event(self) -> asyncio.Event:
         if self._wake is None:
@@ -331,7 +335,7 @@ class StreamingEngine(_EngineBase):
                 pass
         out = []
         for p in self._drain(block=False):
-            rid = f"{id(p):x}-{self.requests}"
+            rid = str(self.requests)  # unique for the engine's life: a stale answer matches nothing
             self.requests += 1
             self._taken[rid] = p
             greedy = p.params.greedy
