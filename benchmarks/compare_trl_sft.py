@@ -9,7 +9,8 @@ rate (the config's scheduler is replaced by a constant one on both). (1) prepare
 bootstrapped tiny base is built if not cached), tokenize the chats through the project's chat-template
 path (``sft_data.tokenize_conversations``) and draw the project's batch order (``epoch_batches``); TRL is
 given exactly those token ids, assistant-token labels and batches in that order (no shuffle of its own);
-(2) this project (``train_sft``, the real trainer, checkpoints off) and (3) TRL's ``SFTTrainer`` each run
+(2) this project (``train_sft``, the real trainer, checkpoints off), (3) TRL's ``SFTTrainer`` and a bare
+PyTorch loop over the same batches (the floor: forward, backward, fused AdamW, nothing else) each run
 in a subprocess with the same number of CPU threads; both set up side by side, then take turns, one step
 each (the first mover swaps every step), so a load that changes on a shared machine changes under both
 alike (``--sequential``: one whole side after the other); (4) one evaluator scores both saved models the
@@ -37,6 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "configs" / "sft_math_tiny.yaml"
 TRL_PIN = "1.16.0"
+# This project, TRL, and the bare PyTorch loop (the floor), each in its own process.
+ROLES = ("ours", "trl", "bare")
 
 
 def _config(path: str, overrides: list[str], steps: int) -> Any:
@@ -194,6 +197,40 @@ def role_trl(args: argparse.Namespace, work: Path, turns: _Turns) -> None:
     (work / "trl.json").write_text(json.dumps({"seconds": seconds, "loss": losses, "version": _trl_version()}))
 
 
+def role_bare(args: argparse.Namespace, work: Path, turns: _Turns) -> None:
+    """The floor: the same rows in the same batches through the plainest PyTorch loop (each batch
+    right-padded to its longest row, HF's forward with labels, backward, clipping, fused AdamW), so
+    the table shows what the model's arithmetic alone costs on these cores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = json.loads((work / "spec.json").read_text())
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]), eps=spec["eps"],
+                            weight_decay=spec["weight_decay"], fused=True)
+    seconds, losses, gbs = [], [], spec["gbs"]
+    for step in range(spec["steps"]):
+        rows = spec["train"][step * gbs:(step + 1) * gbs]
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
+        labels = torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in rows])
+        mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+        turns.wait_go()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        if spec["max_grad_norm"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        turns.say_done()
+    (work / "bare.json").write_text(json.dumps({"seconds": seconds, "loss": losses}))
+
+
 def _trl_version() -> str:
     import trl
 
@@ -269,8 +306,8 @@ class _Child:
 
 def _run_sides(args: argparse.Namespace, work: Path, steps: int) -> dict[str, float]:
     if args.sequential:
-        return {role: _Child(role, args, work, False).wait() for role in ("ours", "trl")}
-    sides = [_Child(role, args, work, True) for role in ("ours", "trl")]
+        return {role: _Child(role, args, work, False).wait() for role in ROLES}
+    sides = [_Child(role, args, work, True) for role in ROLES]
     for step in range(steps):
         for side in sides if step % 2 == 0 else sides[::-1]:
             side.step()
@@ -298,17 +335,18 @@ def main(argv: list[str]) -> int:
     args, overrides = p.parse_known_args(argv)
     args.overrides = overrides
     if args._role:
-        {"ours": role_ours, "trl": role_trl}[args._role](args, Path(args._work), _Turns(args._go, args._done))
+        {"ours": role_ours, "trl": role_trl, "bare": role_bare}[args._role](args, Path(args._work),
+                                                                            _Turns(args._go, args._done))
         return 0
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="compare_trl_sft_")
     work = Path(args.keep or tmp.name)
     work.mkdir(parents=True, exist_ok=True)
     spec = prepare(args, work)
     wall = _run_sides(args, work, spec["steps"])
-    ours, trl = (json.loads((work / f"{r}.json").read_text()) for r in ("ours", "trl"))
+    ours, trl, bare = (json.loads((work / f"{r}.json").read_text()) for r in ROLES)
     val = {"ours": held_out_nll(str(work / "ours_model"), spec["val"], spec["threads"]),
            "trl": held_out_nll(str(work / "trl_model"), spec["val"], spec["threads"])}
-    so, st = _stats(ours["seconds"], args.warmup), _stats(trl["seconds"], args.warmup)
+    so, st, sb = (_stats(x["seconds"], args.warmup) for x in (ours, trl, bare))
     result = {"config": args.config, "overrides": args.overrides, "steps": spec["steps"], "global_batch_size": spec["gbs"],
               "max_length": spec["max_length"], "threads": spec["threads"], "packing_ours": spec["packing"],
               "lockstep": not args.sequential,
@@ -318,18 +356,22 @@ def main(argv: list[str]) -> int:
                        "final_train_loss": ours["loss"][-1], "held_out_nll": val["ours"], "wall_s": wall["ours"]},
               "trl": {"s_per_step_mean": st["mean"], "s_per_step_median": st["median"], "first_loss": trl["loss"][0],
                       "final_train_loss": trl["loss"][-1], "held_out_nll": val["trl"], "wall_s": wall["trl"]},
+              "bare": {"s_per_step_mean": sb["mean"], "s_per_step_median": sb["median"], "first_loss": bare["loss"][0],
+                       "final_train_loss": bare["loss"][-1], "wall_s": wall["bare"]},
               "ratio_mean": so["mean"] / st["mean"], "ratio_median": so["median"] / st["median"]}
     print(f"\n[compare_trl_sft] {spec['steps']} steps of {spec['gbs']} conversations (max_length {spec['max_length']}, "
           f"{spec['threads']} threads, project packing {'on' if spec['packing'] else 'off'}; TRL {trl['version']}, "
           f"padded batches; {'one after the other' if args.sequential else 'taking turns, one step each'}); "
           f"first {args.warmup} steps left out of the times")
     print(f"{'':8}{'s/step mean':>13}{'median':>9}{'step-1 loss':>13}{'last loss':>11}{'held-out NLL':>14}")
-    for name in ("ours", "trl"):
+    for name in ROLES:
         r = result[name]
+        nll = f"{r['held_out_nll']:14.4f}" if "held_out_nll" in r else f"{'-':>14}"
         print(f"{name:8}{r['s_per_step_mean']:13.3f}{r['s_per_step_median']:9.3f}{r['first_loss']:13.4f}"
-              f"{r['final_train_loss']:11.4f}{r['held_out_nll']:14.4f}")
+              f"{r['final_train_loss']:11.4f}{nll}")
     print(f"ratio (ours / TRL): mean {result['ratio_mean']:.2f}x, median {result['ratio_median']:.2f}x "
           "(target <= 0.5x)")
+    print(f"against the bare loop (median): ours {so['median'] / sb['median']:.2f}x, TRL {st['median'] / sb['median']:.2f}x")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
