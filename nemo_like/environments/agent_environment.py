@@ -106,15 +106,24 @@ class AgentEnvironment(EnvironmentInterface):
 
     async def run_episodes(self, rows: list[dict], base_url: str, keys: list[str], model: str) -> list[dict]:
         """One episode per (row, key): ``{"reward", "metrics", "error", "timed_out", "seconds"}`` each."""
+        out: list[dict] = [{}] * len(rows)
+        async for i, res in self.stream_episodes(rows, base_url, keys, model):
+            out[i] = res
+        return out
+
+    async def stream_episodes(self, rows: list[dict], base_url: str, keys: list[str], model: str):
+        """``run_episodes``' episodes, each ``(index, result)`` as soon as it ends (a Ray streaming
+        generator: the trainer ends each episode's session at once)."""
         gate = asyncio.Semaphore(self.cfg.max_concurrency)
 
-        async def one(row: dict, key: str) -> dict:
+        async def one(i: int, row: dict, key: str) -> tuple[int, dict]:
             async with gate:
                 t0 = time.monotonic()
                 out = await (self._call_fn(row, base_url, key) if self.fn else
                              self._run_command(row, base_url, key, model))
-                return out | {"seconds": time.monotonic() - t0}
-        return await asyncio.gather(*[one(r, k) for r, k in zip(rows, keys)])
+                return i, out | {"seconds": time.monotonic() - t0}
+        for done in asyncio.as_completed([one(i, r, k) for i, (r, k) in enumerate(zip(rows, keys))]):
+            yield await done
 
     async def _call_fn(self, row: dict, base_url: str, key: str) -> dict:
         # Each episode its own client and connection pool (one pool shared by 128 episodes stalls in

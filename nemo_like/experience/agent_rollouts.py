@@ -65,6 +65,8 @@ class AgentServer:
         except Exception:
             self.engine.close()
             raise
+        if not self.streaming:  # a batch waits for every running episode's request (BatchingEngine)
+            self.engine.expected_fn = self.handle.sessions.live
 
     @classmethod
     def for_run(cls, config: Any, generator: Any, tokenizer: Any, *, version_fn: Any) -> AgentServer:
@@ -108,6 +110,14 @@ class AgentServer:
         self.engine.close()
 
 
+def _has_method(actor: Any, name: str) -> bool:
+    try:
+        getattr(actor, name)
+        return True
+    except AttributeError:
+        return False
+
+
 def agent_row(batch: BatchedDataDict, i: int) -> dict[str, Any]:
     """What an agent program gets for sample i: the dataset row's columns (``problem``,
     ``ground_truth``...; the program may score itself with them), ``messages`` (the problem as one
@@ -132,9 +142,18 @@ def run_agent_rollout(server: AgentServer, actor: Any, batch: BatchedDataDict, t
         s.greedy = greedy
         sessions.append(s)
     t0 = time.perf_counter()
+    args = ([agent_row(batch, i) for i in range(n)], server.handle.base_url, [s.key for s in sessions], SERVED_NAME)
     try:
-        results = server.run(actor.run_episodes.remote([agent_row(batch, i) for i in range(n)],
-                                                        server.handle.base_url, [s.key for s in sessions], SERVED_NAME))
+        if not server.streaming and _has_method(actor, "stream_episodes"):
+            # Each episode's result as it ends, and its session with it: the batcher then waits only
+            # for the requests of the episodes still running.
+            results = [None] * n
+            for ref in actor.stream_episodes.remote(*args):
+                i, res = ray.get(ref)
+                results[i] = res
+                server.handle.sessions.end(sessions[i])
+        else:
+            results = server.run(actor.run_episodes.remote(*args))
     except ServingError:
         raise
     except Exception as e:  # the actor died (and its retries): every episode unscorable, the run goes on

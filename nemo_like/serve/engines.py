@@ -213,11 +213,18 @@ class BatchingEngine(_EngineBase):
 
     def __init__(self, generate_fn: Callable[[BatchedDataDict, bool], BatchedDataDict], tokenizer: Any, *,
                  context_length: int, max_batch: int = 256, version_fn: Callable[[], int] = lambda: 0,
-                 gather_s: float = 0.025, max_gather_s: float = 1.0):
+                 gather_s: float = 0.025, max_gather_s: float = 1.0, expected_fn: Callable[[], int] = lambda: 0,
+                 expect_gap_s: float = 0.2):
         super().__init__()
         self.generate_fn, self.tokenizer, self.context_length = generate_fn, tokenizer, context_length
         self.max_batch, self.version_fn, self.gather_s = max_batch, version_fn, gather_s
         self.max_gather_s = max_gather_s
+        # How many requests to expect before a batch (the trainer's episodes still running, one
+        # request each at a time; 0: unknown, the quiet gap alone decides).
+        self.expected_fn = expected_fn
+        # While expected requests are missing, the quiet gap that still ends the gathering: an episode
+        # busy with its own work (a slow tool) must not hold the others' batch for max_gather_s.
+        self.expect_gap_s = expect_gap_s
         self.batches = 0  # generate calls made (how well requests batched: requests / batches)
         self.requests = 0
         self._start("nemo-like-serve-batcher")
@@ -229,13 +236,19 @@ class BatchingEngine(_EngineBase):
             if not pending:
                 continue
             # Episodes send their turns over a few hundred milliseconds (HTTP, the programs' own work,
-            # the server writing the last batch's answers): wait until none came for gather_s while
-            # the server is handling none (up to max_gather_s), so that they generate as one batch
-            # rather than the first few alone and the rest one generate call later.
+            # the server writing the last batch's answers): gather until every running episode has
+            # asked (expected_fn) or none asked for expect_gap_s; with nothing known, until none came
+            # for gather_s while the server is handling none; up to max_gather_s. So they generate as
+            # one batch rather than the first few alone (a batch of one took a third of the time of
+            # the batch of 128 after it, on the cores the programs needed to send the rest).
             deadline = time.monotonic() + self.max_gather_s
             while len(pending) < self.max_batch and not self._closed.is_set():
+                expected = self.expected_fn()
+                missing = expected - len(pending)
+                if (expected and missing <= 0 and self.busy == 0) or time.monotonic() >= deadline:
+                    break
                 try:
-                    item = self._queue.get(timeout=self.gather_s)
+                    item = self._queue.get(timeout=self.expect_gap_s if missing > 0 else self.gather_s)
                 except queue.Empty:
                     if self.busy > 0 and time.monotonic() < deadline:
                         continue

@@ -152,3 +152,7 @@ class SessionStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_key)
+
+    def live(self) -> int:
+        """Sessions open now (episodes not ended): the most requests the batcher can expect at once."""
+        return len(self._by_key)  # one read of a dict's size: atomic, no lock needed

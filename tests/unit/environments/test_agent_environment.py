@@ -137,3 +137,24 @@ def test_episode_result(value, want):
         assert got[0] is None and got[2]
     else:
         assert got == want
+
+
+def test_stream_episodes_yields_each_episode_as_it_ends(server):
+    # The trainer ends an episode's session when its result arrives, so the batcher stops waiting for
+    # its requests: a result must not wait for slower episodes.
+    import asyncio
+
+    env = AgentEnvironment({"fn": "_nl_agent_programs:misbehave", "episode_timeout_s": 1.0})
+    rows = [{"mode": m, "messages": []} for m in ("hang", "ok", "raise")]
+    sessions = [server.sessions.open(tag=i) for i in range(len(rows))]
+
+    async def collect():
+        t0, got = time.monotonic(), []
+        async for i, res in env.stream_episodes(rows, server.base_url, [s.key for s in sessions], "policy"):
+            got.append((i, res, time.monotonic() - t0))
+        return got
+    got = asyncio.run(collect())
+    assert sorted(i for i, _, _ in got) == [0, 1, 2]
+    assert got[-1][0] == 0 and got[-1][1]["timed_out"]  # the hung one, at its time limit
+    assert all(t < 0.8 for i, _, t in got if i != 0) and got[-1][2] >= 1.0
+    assert {i: r["reward"] for i, r, _ in got}[1] == 0.5

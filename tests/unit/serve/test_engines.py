@@ -86,6 +86,44 @@ def test_a_request_that_never_reaches_the_engine_holds_the_batch_only_up_to_max_
         engine.close()
 
 
+def test_a_batch_waits_for_every_running_episode_and_no_longer(tmp_path):
+    # Four episodes running (the trainer's open sessions): the last asks 0.15 s after the first two,
+    # far past gather_s, yet all four generate together, and the batch starts once the fourth is in
+    # (not after a quiet gap). With one episode that never asks, the others go after expect_gap_s.
+    from nemo_like.serve.sessions import SessionStore
+
+    sizes: list[int] = []
+    engine = echo_engine(tmp_path, sizes)
+    store = SessionStore("server-key")
+    sessions = [store.open(tag=i) for i in range(4)]
+    engine.expected_fn = store.live
+    engine.expect_gap_s = 0.3
+
+    async def ask(delays):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def one(i, delay):
+            await asyncio.sleep(delay)
+            await engine.generate([5, 6, 7 + i], GenParams(max_new_tokens=8))
+            return loop.time() - t0
+        return await asyncio.gather(*[one(i, d) for i, d in enumerate(delays)])
+    try:
+        done = asyncio.run(ask([0.0, 0.0, 0.1, 0.15]))
+        assert sizes == [4]
+        assert max(done) < 0.15 + 0.25  # began as the fourth came, not after another 0.3 s of quiet
+        sizes.clear()
+        store.end(sessions[3])  # that episode ended: three are expected now
+        asyncio.run(ask([0.0, 0.05, 0.1]))
+        assert sizes == [3]
+        sizes.clear()
+        store.open(tag=4)  # a running episode that never asks (busy with a slow tool)
+        done = asyncio.run(ask([0.0, 0.0, 0.0]))
+        assert sizes == [3] and 0.25 < max(done) < 0.9  # expect_gap_s, then the others' batch
+    finally:
+        engine.close()
+
+
 # ---- StreamingEngine: a worker's continuous engine takes the server's turns over HTTP ----------------
 
 @pytest.fixture(scope="module")
