@@ -66,7 +66,7 @@ class AgentServer:
             self.engine.close()
             raise
         if not self.streaming:  # a batch waits for every running episode's request (BatchingEngine)
-            self.engine.expected_fn = self.handle.sessions.live
+            self.engine.expected_fn = self.handle.sessions.running
 
     @classmethod
     def for_run(cls, config: Any, generator: Any, tokenizer: Any, *, version_fn: Any) -> AgentServer:
@@ -136,17 +136,18 @@ def run_agent_rollout(server: AgentServer, actor: Any, batch: BatchedDataDict, t
                       max_seq_len: int) -> tuple[BatchedDataDict, dict[str, float]]:
     """One episode per sample of ``batch`` by the agent environment ``actor``; the rollout contract."""
     n = batch.size
+    # Each episode's result as it ends, and its session with it (an environment with stream_episodes):
+    # the batcher then waits only for the requests of the episodes still running.
+    streamed = not server.streaming and _has_method(actor, "stream_episodes")
     sessions = []
     for i in range(n):
-        s = server.handle.sessions.open(tag=i)
+        s = server.handle.sessions.open(tag=i, awaited=streamed)
         s.greedy = greedy
         sessions.append(s)
     t0 = time.perf_counter()
     args = ([agent_row(batch, i) for i in range(n)], server.handle.base_url, [s.key for s in sessions], SERVED_NAME)
     try:
-        if not server.streaming and _has_method(actor, "stream_episodes"):
-            # Each episode's result as it ends, and its session with it: the batcher then waits only
-            # for the requests of the episodes still running.
+        if streamed:
             results = [None] * n
             for ref in actor.stream_episodes.remote(*args):
                 i, res = ray.get(ref)

@@ -53,6 +53,8 @@ class Session:
     malformed_tool_calls: int = 0
     reward: float | None = None
     ended: bool = False
+    # Its episode is known to end with it: the batcher may wait for its request (SessionStore.running).
+    awaited: bool = False
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -118,17 +120,23 @@ class SessionStore:
         self._by_key: dict[str, Session] = {}
         self._ended: dict[str, str] = {}  # key -> session id, for a clear 410
         self._lock = threading.Lock()
+        self._awaited = 0
 
-    def open(self, tag: Any = None) -> Session:
-        s = Session(id=f"sess_{secrets.token_hex(8)}", key=f"sk-session-{secrets.token_urlsafe(24)}", tag=tag)
+    def open(self, tag: Any = None, *, awaited: bool = False) -> Session:
+        """A new session; ``awaited``: its owner ends it the moment its episode ends, so until then the
+        batcher may wait for its next request (``running``)."""
+        s = Session(id=f"sess_{secrets.token_hex(8)}", key=f"sk-session-{secrets.token_urlsafe(24)}", tag=tag,
+                    awaited=awaited)
         with self._lock:
             self._by_key[s.key] = s
+            self._awaited += int(awaited)
         return s
 
     def end(self, session: Session) -> Session:
         with self._lock:
             session.ended = True
-            self._by_key.pop(session.key, None)
+            if self._by_key.pop(session.key, None) is not None and session.awaited:
+                self._awaited -= 1
             self._ended[session.key] = session.id
             if len(self._ended) > 100_000:  # a long run's ended keys: keep the newest
                 for k in list(self._ended)[:50_000]:
@@ -153,6 +161,6 @@ class SessionStore:
         with self._lock:
             return len(self._by_key)
 
-    def live(self) -> int:
-        """Sessions open now (episodes not ended): the most requests the batcher can expect at once."""
-        return len(self._by_key)  # one read of a dict's size: atomic, no lock needed
+    def running(self) -> int:
+        """Awaited sessions open now (episodes still running): the requests a batch may wait for."""
+        return self._awaited  # one read of an int: atomic, no lock needed

@@ -95,8 +95,9 @@ def test_a_batch_waits_for_every_running_episode_and_no_longer(tmp_path):
     sizes: list[int] = []
     engine = echo_engine(tmp_path, sizes)
     store = SessionStore("server-key")
-    sessions = [store.open(tag=i) for i in range(4)]
-    engine.expected_fn = store.live
+    sessions = [store.open(tag=i, awaited=True) for i in range(4)]
+    store.open(tag=9)  # a session whose end nobody reports (a client's own): never waited for
+    engine.expected_fn = store.running
     engine.expect_gap_s = 0.3
 
     async def ask(delays):
@@ -117,7 +118,7 @@ def test_a_batch_waits_for_every_running_episode_and_no_longer(tmp_path):
         asyncio.run(ask([0.0, 0.05, 0.1]))
         assert sizes == [3]
         sizes.clear()
-        store.open(tag=4)  # a running episode that never asks (busy with a slow tool)
+        store.open(tag=4, awaited=True)  # a running episode that never asks (busy with a slow tool)
         done = asyncio.run(ask([0.0, 0.0, 0.0]))
         assert sizes == [3] and 0.25 < max(done) < 0.9  # expect_gap_s, then the others' batch
     finally:
