@@ -9,7 +9,9 @@ or ``{"reward": x}``), or what it posted to ``$OPENAI_BASE_URL/nemo_like/reward`
 
 The environment is a Ray actor like every other grader (it can run on any node); ``run_episodes``
 runs a batch of episodes concurrently (at most ``max_concurrency`` at once), each with its own
-session key, so the server records each episode's tokens apart. The trainer builds the training
+session key, so the server records each episode's tokens apart; with ``num_actors`` > 1 it deals
+each batch's episodes among itself and that many - 1 more actors, spread over the nodes (the
+programs' own CPU work in parallel). The trainer builds the training
 samples from those records (``experience.agent_rollouts``), not from anything the program says.
 A program that raises, exits non-zero or runs past ``episode_timeout_s`` leaves its episode
 unscorable and counted; it never ends the run.
@@ -45,6 +47,9 @@ class AgentEnvConfig(EnvConfig):
     command: list[str] | None = Field(default=None, min_length=1)
     # Episodes run at once by this environment (each makes its own requests; the server batches them).
     max_concurrency: int = Field(64, gt=0)
+    # Ray actors running the episodes, each batch's rows dealt among them (spread over the nodes); each
+    # runs up to max_concurrency at once. More than 1: the programs' own CPU work in parallel.
+    num_actors: int = Field(1, ge=1)
     # Past this an episode is stopped (a command's process group is killed) and left unscorable.
     episode_timeout_s: float = Field(300.0, gt=0)
     # Where the trainer's OpenAI-compatible server listens: 127.0.0.1 (this machine), or a node's
@@ -95,6 +100,7 @@ class AgentEnvironment(EnvironmentInterface):
         self.cfg = AgentEnvConfig.model_validate({k: v for k, v in (config or {}).items() if k != "step_timeout_s"})
         self.fn = import_from_path(self.cfg.fn, what="agent function") if self.cfg.fn else None
         self._tls: Any = None
+        self._helpers: list[Any] | None = None  # the other num_actors - 1 actors, started on first use
 
     def step(self, message_log_batch: Any, metadata: Any) -> EnvironmentReturn:
         """Agent tasks are run by ``run_episodes``; a message log handed here is graded 0 and ended."""
@@ -113,7 +119,64 @@ class AgentEnvironment(EnvironmentInterface):
 
     async def stream_episodes(self, rows: list[dict], base_url: str, keys: list[str], model: str):
         """``run_episodes``' episodes, each ``(index, result)`` as soon as it ends (a Ray streaming
-        generator: the trainer ends each episode's session at once)."""
+        generator: the trainer ends each episode's session at once). With ``num_actors`` > 1 the rows
+        are dealt among this actor and the others; an actor that fails leaves its episodes that had
+        not ended unscorable."""
+        helpers = self._helper_actors()
+        if not helpers:
+            async for item in self._stream_here(rows, base_url, keys, model):
+                yield item
+            return
+        n = len(helpers) + 1
+        parts = [list(range(k, len(rows), n)) for k in range(n)]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def remote(actor: Any, idx: list[int]):
+            async for ref in actor.stream_episodes.remote([rows[i] for i in idx], base_url, [keys[i] for i in idx],
+                                                         model):
+                yield await ref
+
+        async def pump(idx: list[int], stream: Any) -> None:
+            left = set(range(len(idx)))
+            try:
+                async for j, res in stream:
+                    left.discard(j)
+                    queue.put_nowait((idx[j], res))
+            except Exception as e:  # noqa: BLE001 - the actor died: its episodes are unscorable
+                why = f"the agent actor running it failed: {type(e).__name__}: {str(e)[:300]}"
+                for j in sorted(left):
+                    queue.put_nowait((idx[j], {"reward": None, "metrics": {}, "timed_out": False, "error": why}))
+            finally:
+                queue.put_nowait(None)
+        tasks = [asyncio.create_task(pump(parts[0], self._stream_here([rows[i] for i in parts[0]], base_url,
+                                                                      [keys[i] for i in parts[0]], model)))]
+        tasks += [asyncio.create_task(pump(idx, remote(h, idx))) for h, idx in zip(helpers, parts[1:])]
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+
+    def _helper_actors(self) -> list[Any]:
+        if self._helpers is None:
+            self._helpers = []
+            if self.cfg.num_actors > 1:
+                import ray
+
+                if not ray.is_initialized():
+                    raise RuntimeError(f"env.agent.num_actors={self.cfg.num_actors} needs Ray: run the "
+                                       "environment as a Ray actor (as the trainer does), or set num_actors=1")
+                cfg = self.cfg.model_dump() | {"num_actors": 1}
+                # Owned by this actor (they end with it), spread over the nodes, mostly idle: no CPU slot;
+                # one that dies is restarted for the next batch (the batch it died in lost its share).
+                actor = ray.remote(AgentEnvironment).options(num_cpus=0, scheduling_strategy="SPREAD", max_restarts=-1)
+                self._helpers = [actor.remote(cfg) for _ in range(self.cfg.num_actors - 1)]
+        return self._helpers
+
+    async def _stream_here(self, rows: list[dict], base_url: str, keys: list[str], model: str):
+        """This actor's share: each ``(index, result)`` as it ends."""
         gate = asyncio.Semaphore(self.cfg.max_concurrency)
 
         async def one(i: int, row: dict, key: str) -> tuple[int, dict]:

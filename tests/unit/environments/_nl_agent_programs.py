@@ -26,3 +26,13 @@ async def misbehave(client, row):
 
 def not_async(client, row):
     return 1.0
+
+
+async def where(client, row):
+    """Asks once; its metrics say which process ran it."""
+    import os
+
+    await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=2)
+    if row.get("die"):
+        os._exit(1)  # the actor running it dies
+    return {"reward": float(row["k"]), "pid": float(os.getpid())}

@@ -158,3 +158,35 @@ def test_stream_episodes_yields_each_episode_as_it_ends(server):
     assert got[-1][0] == 0 and got[-1][1]["timed_out"]  # the hung one, at its time limit
     assert all(t < 0.8 for i, _, t in got if i != 0) and got[-1][2] >= 1.0
     assert {i: r["reward"] for i, r, _ in got}[1] == 0.5
+
+
+def test_num_actors_deals_the_episodes_among_actors(server, ray_session):
+    import ray
+
+    from nemo_like.environments.registry import create_env_actor
+
+    env = create_env_actor("agent", {"fn": "_nl_agent_programs:where", "num_actors": 2})
+    try:
+        rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "k": i} for i in range(6)]
+        sessions = [server.sessions.open(tag=i) for i in range(6)]
+        got = {}
+        for ref in env.stream_episodes.remote(rows, server.base_url, [s.key for s in sessions], "policy"):
+            i, res = ray.get(ref)
+            got[i] = res
+        assert sorted(got) == list(range(6))
+        assert [got[i]["reward"] for i in range(6)] == [float(i) for i in range(6)]
+        assert len({got[i]["metrics"]["pid"] for i in range(6)}) == 2  # two processes ran them
+        assert all(len(s.turns) == 1 for s in sessions)
+        # An actor that dies mid-batch: its unfinished episodes are unscorable, the others stand.
+        rows = [{"messages": [{"role": "user", "content": "x"}], "k": i, "die": i == 1} for i in range(4)]
+        sessions = [server.sessions.open(tag=i) for i in range(4)]
+        out = ray.get(env.run_episodes.remote(rows, server.base_url, [s.key for s in sessions], "policy"))
+        assert [o["reward"] for o in out[0::2]] == [0.0, 2.0]  # this actor's share (rows 0 and 2)
+        assert all(o["reward"] is None and "agent actor running it failed" in o["error"] for o in out[1::2])
+        # ... and is back for the next batch.
+        sessions = [server.sessions.open(tag=i) for i in range(4)]
+        rows = [{"messages": [{"role": "user", "content": "y"}], "k": i} for i in range(4)]
+        out = ray.get(env.run_episodes.remote(rows, server.base_url, [s.key for s in sessions], "policy"))
+        assert [o["reward"] for o in out] == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        ray.kill(env, no_restart=True)
