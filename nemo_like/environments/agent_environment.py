@@ -33,14 +33,14 @@ import httpx
 import openai
 from pydantic import Field, model_validator
 
-from nemo_like.environments.env_config import EnvConfig
+from nemo_like.environments.env_config import EnvConfig, EpisodeEnvConfig
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_like.utils.registry import import_from_path
 
 __all__ = ["AgentEnvConfig", "AgentEnvironment", "episode_result"]
 
 
-class AgentEnvConfig(EnvConfig):
+class AgentEnvConfig(EpisodeEnvConfig):
     # "pkg.module:solve": an async function (client: openai.AsyncOpenAI, row: dict) -> float | dict.
     fn: str | None = None
     # A program run once per episode (argv list); reads the row as JSON on stdin.
@@ -52,14 +52,6 @@ class AgentEnvConfig(EnvConfig):
     num_actors: int = Field(1, ge=1)
     # Past this an episode is stopped (a command's process group is killed) and left unscorable.
     episode_timeout_s: float = Field(300.0, gt=0)
-    # Where the trainer's OpenAI-compatible server listens: 127.0.0.1 (this machine), or a node's
-    # address for agents on other nodes (a warning is printed).
-    host: str = "127.0.0.1"
-    # Its port; 0: a free one. A port already taken stops the run before training, in one line.
-    port: int = Field(0, ge=0, le=65535)
-    # A step in which more than this fraction of the task's episodes failed counts towards
-    # grpo.max_consecutive_env_failures (the run stops with one line saying why).
-    max_failed_fraction: float = Field(0.5, ge=0, le=1)
 
     @model_validator(mode="after")
     def _one_program(self) -> AgentEnvConfig:

@@ -33,6 +33,20 @@ class EnvConfig(BaseModel):
     step_timeout_s: float | None = Field(default=None, gt=0)
 
 
+class EpisodeEnvConfig(EnvConfig):
+    """What every environment whose episodes talk to the trainer's server (agent programs, verifiers)
+    is configured with besides its own keys."""
+
+    # Where the trainer's OpenAI-compatible server listens: 127.0.0.1 (this machine), or a node's
+    # address for environments on other nodes (a warning is printed).
+    host: str = "127.0.0.1"
+    # Its port; 0: a free one. A port already taken stops the run before training, in one line.
+    port: int = Field(0, ge=0, le=65535)
+    # A step in which more than this fraction of the task's episodes failed counts towards
+    # grpo.max_consecutive_env_failures (the run stops with one line saying why).
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
+
+
 def env_config_errors(name: str, model: type[BaseModel], e: ValidationError) -> str:
     """One line naming each bad key as ``env.<name>.<key>``, with a did-you-mean for typos."""
     return format_option_errors(f"env.{name}", e, model.model_fields)

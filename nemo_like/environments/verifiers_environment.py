@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from nemo_like.data.verifiers_tasks import TaskList, first_line, load_verifiers_env, spec_label
-from nemo_like.environments.env_config import EnvConfig, validate_env_config
+from nemo_like.environments.env_config import EnvConfig, EpisodeEnvConfig, validate_env_config
 from nemo_like.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 
 __all__ = ["VerifiersEnvConfig", "VerifiersEnvironment", "episode_outcome"]
@@ -40,20 +40,12 @@ _KEY_VAR = "NEMO_LIKE_VF_API_KEY_{}"
 _key_ids = itertools.count()
 
 
-class VerifiersEnvConfig(EnvConfig):
+class VerifiersEnvConfig(EpisodeEnvConfig):
     # Episodes run at once by this environment (each runs verifiers' harness program; the server batches
     # their requests).
     max_concurrency: int = Field(32, gt=0)
     # Past this an episode is cancelled (verifiers stops its programs) and left unscorable.
     episode_timeout_s: float = Field(600.0, gt=0)
-    # Where the trainer's OpenAI-compatible server listens: 127.0.0.1 (this machine), or a node's
-    # address for environments on other nodes (a warning is printed).
-    host: str = "127.0.0.1"
-    # Its port; 0: a free one. A port already taken stops the run before training, in one line.
-    port: int = Field(0, ge=0, le=65535)
-    # A step in which more than this fraction of the task's episodes failed counts towards
-    # grpo.max_consecutive_env_failures (the run stops with one line saying why).
-    max_failed_fraction: float = Field(0.5, ge=0, le=1)
 
 
 def _error_text(error: Any) -> str:
