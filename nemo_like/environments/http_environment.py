@@ -277,6 +277,9 @@ class HttpEnvironment(EnvironmentInterface):
                     self._check_health_once(min(cfg.timeout_s, max(deadline - time.monotonic(), 0.1)))
                     return
                 except _CallError as e:
+                    if not e.retryable:  # it is up and answered (a 404, another protocol): waiting cannot help
+                        raise RuntimeError(f"env.http.command: the service answered {where} with {e}; it must "
+                                           "serve /health and /step (docs/reference/http_environments.md)") from None
                     if time.monotonic() >= deadline:
                         raise RuntimeError(f"env.http.command: {where} did not answer within "
                                            f"env.http.startup_timeout_s={cfg.startup_timeout_s:g} s ({e})") from None
@@ -327,8 +330,12 @@ class HttpEnvironment(EnvironmentInterface):
             sock.settimeout(left())
             resp = conn.getresponse()
             chunks, size = [], 0
-            while True:
-                sock.settimeout(left())
+            while not resp.isclosed():
+                # A service that closes the connection with its answer (HTTP/1.0, "Connection: close")
+                # has its socket closed by http.client once the answer is read: no timeout to set then.
+                t = left()
+                if sock.fileno() >= 0:
+                    sock.settimeout(t)
                 chunk = resp.read(65536)
                 if not chunk:
                     break

@@ -206,6 +206,26 @@ def test_faults_cost_only_their_samples_counted_and_shown_once(faulty_base, caps
     assert capsys.readouterr().out.count("no complete answer within env.http.timeout_s=0.5 s") == 1
 
 
+def test_a_service_that_closes_each_connection_is_served():
+    # Python's BaseHTTPRequestHandler speaks HTTP/1.0 by default: it closes the connection with each
+    # answer, and http.client closes the socket once the answer is read (setting its timeout then
+    # failed every request as a connection error).
+    class Closing(_Faulty):
+        protocol_version = "HTTP/1.0"
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Closing)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = HttpEnvironment({"url": f"http://127.0.0.1:{server.server_address[1]}/ok", **FAST})
+    try:
+        ret = env.step(*_batch(3))
+        assert ret.rewards.tolist() == [1.0, 1.0, 1.0] and ret.metrics["num_unscorable"] == 0
+    finally:
+        env.shutdown()
+        server.shutdown()
+        server.server_close()
+
+
 def test_multi_turn_results_and_bounded_concurrency(faulty_base):
     env = HttpEnvironment({"url": f"{faulty_base}/turns/"})  # a trailing slash is fine
     try:
@@ -253,6 +273,14 @@ def test_start_failures_are_one_line_naming_the_url(faulty_base):
         HttpEnvironment({"command": cmd})
     with pytest.raises(RuntimeError, match=r"env.http.command 'no-such-program-xyz --port \d+' could not start"):
         HttpEnvironment({"command": "no-such-program-xyz --port {port}"})
+    # A started service that is up but has no /health (a plain file server): said at once, not after
+    # the start-up time limit.
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"env.http.command: the service answered GET http://127.0.0.1:\d+/health "
+                                           r"with HTTP 404"):
+        HttpEnvironment({"command": f"{sys.executable} -m http.server {{port}} --bind 127.0.0.1",
+                         "startup_timeout_s": 30})
+    assert time.monotonic() - t0 < 15
     with pytest.raises(RuntimeError, match=r"did not answer within env.http.startup_timeout_s=0.5 s"):
         HttpEnvironment({"command": [sys.executable, "-c", "import time; time.sleep(30)"], "startup_timeout_s": 0.5})
 
