@@ -26,7 +26,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
-import json
 import os
 import random
 import string
@@ -39,6 +38,7 @@ import datasets
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.data.errors import DataError
+from nemo_like.data.jsonl import jsonl_rows
 
 __all__ = [
     "CODE_TEMPLATES",
@@ -256,18 +256,13 @@ def load_humaneval(path: str | os.PathLike | None = None) -> datasets.Dataset:
     opener = gzip.open if file.suffix == ".gz" else open
     rows: list[dict[str, Any]] = []
     try:
-        with opener(file, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{file}:{lineno}: not valid JSON: {e}") from None
-                missing = [k for k in ("task_id", "prompt", "test", "entry_point", "canonical_solution") if not isinstance(row.get(k), str)]
-                if missing:
-                    raise DataError(f"{file}:{lineno}: missing string fields {missing}")
-                rows.append(row)
+        for lineno, row in jsonl_rows(file, opener):
+            if not isinstance(row, dict):
+                raise DataError(f"{file}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in ("task_id", "prompt", "test", "entry_point", "canonical_solution") if not isinstance(row.get(k), str)]
+            if missing:
+                raise DataError(f"{file}:{lineno}: missing string fields {missing}")
+            rows.append(row)
     except OSError as e:
         raise DataError(f"cannot read HumanEval file {file}: {e}") from e
     if not rows:

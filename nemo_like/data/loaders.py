@@ -15,6 +15,7 @@ from typing import Any
 import datasets
 
 from nemo_like.data.errors import DataError
+from nemo_like.data.jsonl import jsonl_rows
 from nemo_like.data.messages import conversation_problem, is_conversation
 
 __all__ = ["LOCAL_FORMATS", "check_prompt_column", "load_hub", "load_local"]
@@ -107,29 +108,13 @@ def _validate_jsonl(path: Path, prompt_column: str) -> None:
     """Check each line ourselves: datasets' JSON errors do not give the offending line number."""
     rows = 0
     forms = _PromptForms(prompt_column)
-    # newline="\n": count lines the way JSON Lines defines them (a stray "\r" is not a line break).
-    with path.open("r", encoding="utf-8", newline="\n") as f:
-        for lineno, line in enumerate(_lines(f, path), start=1):
-            if not line.strip():
-                continue
-            try:
-                # Parse without the line ending so error columns point into the line itself.
-                row = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            forms.check(row, f"{path}:{lineno}")
-            rows += 1
+    for lineno, row in jsonl_rows(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        forms.check(row, f"{path}:{lineno}")
+        rows += 1
     if rows == 0:
         raise DataError(f"{path}: no rows")
-
-
-def _lines(f: Any, path: Path) -> Any:
-    try:
-        yield from f
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e})") from None
 
 
 def _validate_json(path: Path, prompt_column: str) -> None:

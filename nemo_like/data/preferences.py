@@ -16,7 +16,6 @@ JSON object, and a pair given twice are errors naming the file and line.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from nemo_like.data.errors import DataError
+from nemo_like.data.jsonl import jsonl_rows
 from nemo_like.data.processors import render_chat, tokenize_text
 from nemo_like.environments.math_environment import verify_math_answer
 
@@ -80,22 +80,15 @@ def load_preference_pairs(path: str | Path) -> list[PreferencePair]:
         raise DataError(f"{p}: no such preference file")
     pairs: list[PreferencePair] = []
     first_line: dict[PreferencePair, int] = {}
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            pair = parse_pair(row, where)
-            if pair.chosen == pair.rejected:
-                raise DataError(f"{where}: 'chosen' and 'rejected' are the same")
-            if pair in first_line:
-                raise DataError(f"{where}: the same pair as line {first_line[pair]}")
-            first_line[pair] = lineno
-            pairs.append(pair)
+    for lineno, row in jsonl_rows(p):
+        where = f"{p}:{lineno}"
+        pair = parse_pair(row, where)
+        if pair.chosen == pair.rejected:
+            raise DataError(f"{where}: 'chosen' and 'rejected' are the same")
+        if pair in first_line:
+            raise DataError(f"{where}: the same pair as line {first_line[pair]}")
+        first_line[pair] = lineno
+        pairs.append(pair)
     if not pairs:
         raise DataError(f"{p}: no preference pairs")
     return pairs

@@ -16,7 +16,6 @@ GRPO message log is (the prompt's tokens, then the generated ones).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_like.data.errors import DataError
+from nemo_like.data.jsonl import jsonl_rows
 from nemo_like.data.processors import render_chat, tokenize_text
 
 __all__ = ["SFT_ROLES", "SFTDataConfig", "SFTSourceConfig", "arithmetic_conversations", "conversation_log",
@@ -109,20 +109,7 @@ def _read_jsonl(path: Path, key: str, field: str) -> list[list[dict[str, Any]]]:
         raise DataError(f"{path}: {'no such file' if not path.exists() else 'not a regular file'} ({field})")
     if path.suffix.lower() not in (".jsonl", ".json"):
         raise DataError(f"{path}: expected a JSON Lines file (.jsonl), or 'hf:<dataset>' ({field})")
-    out = []
-    # newline="\n": lines as JSON Lines defines them (a stray "\r" is not a line break).
-    with path.open("r", encoding="utf-8", newline="\n") as f:
-        try:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno})") from None
-                out.append(_check_row(row, key, f"{path}:{lineno}"))
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text ({e})") from None
+    out = [_check_row(row, key, f"{path}:{lineno}") for lineno, row in jsonl_rows(path)]
     if not out:
         raise DataError(f"{path}: no conversations (the file is empty) ({field})")
     return out

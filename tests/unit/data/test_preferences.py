@@ -37,7 +37,7 @@ def test_plain_and_chat_pairs_load_as_the_same_messages(tmp_path):
     ({"prompt": "1+2=", "chosen": "3", "rejected": "3"}, r"pairs.jsonl:2: 'chosen' and 'rejected' are the same"),
     ({"prompt": "1+2=", "chosen": "3", "rejected": "4"}, r"pairs.jsonl:2: the same pair as line 1"),
     ("[1, 2]", r"pairs.jsonl:2: expected a JSON object"),
-    ('{"prompt": ', r"pairs.jsonl:2: not valid JSON"),
+    ('{"prompt": ', r"pairs.jsonl:2: invalid JSON"),
 ])
 def test_each_bad_line_is_named_by_file_and_line(tmp_path, row, message):
     with pytest.raises(DataError, match=message):

@@ -70,7 +70,7 @@ def _read(tmp_path, text: str, key: str = "messages"):
 
 @pytest.mark.parametrize("lines, error", [
     (['{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}', "{not json"],
-     r":2: not JSON \(Expecting property name"),
+     r":2: invalid JSON \(Expecting property name"),
     (['{"prompt": "a", "completion": "b"}'], r":1: no 'messages' \(data.messages_key\) in this row; its keys: "
                                             r"\['completion', 'prompt'\]"),
     (['{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}'],
