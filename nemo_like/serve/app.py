@@ -176,6 +176,8 @@ def build_app(engine: Any, *, model_name: str, sessions: SessionStore, fixed_sam
 
     async def _chat(request: Request, serving: Any) -> Response:
         session = _auth(request)
+        if session is not None:
+            sessions.mark_asked(session)
         req: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
         async with _session_lock(session):
             if session is not None:  # the session's own replies stand as the tokens it sampled

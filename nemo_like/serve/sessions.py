@@ -53,8 +53,10 @@ class Session:
     malformed_tool_calls: int = 0
     reward: float | None = None
     ended: bool = False
-    # Its episode is known to end with it: the batcher may wait for its request (SessionStore.running).
+    # Its episode is known to end with it: once it has asked, the batcher may wait for its next request
+    # (SessionStore.running).
     awaited: bool = False
+    asked: bool = False
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -120,7 +122,8 @@ class SessionStore:
         self._by_key: dict[str, Session] = {}
         self._ended: dict[str, str] = {}  # key -> session id, for a clear 410
         self._lock = threading.Lock()
-        self._awaited = 0
+        self._running = 0  # awaited sessions that have asked and not ended
+        self._fresh: dict[str, Session] = {}  # awaited sessions that have not asked yet
 
     def open(self, tag: Any = None, *, awaited: bool = False) -> Session:
         """A new session; ``awaited``: its owner ends it the moment its episode ends, so until then the
@@ -129,14 +132,25 @@ class SessionStore:
                     awaited=awaited)
         with self._lock:
             self._by_key[s.key] = s
-            self._awaited += int(awaited)
+            if awaited:
+                self._fresh[s.key] = s
         return s
+
+    def mark_asked(self, session: Session) -> None:
+        """The session sent a request: from now on, until it ends, an awaited one counts as running."""
+        with self._lock:
+            if session.awaited and not session.asked and not session.ended:
+                session.asked = True
+                self._fresh.pop(session.key, None)
+                self._running += 1
 
     def end(self, session: Session) -> Session:
         with self._lock:
+            if not session.ended and session.asked:
+                self._running -= 1
             session.ended = True
-            if self._by_key.pop(session.key, None) is not None and session.awaited:
-                self._awaited -= 1
+            self._by_key.pop(session.key, None)
+            self._fresh.pop(session.key, None)
             self._ended[session.key] = session.id
             if len(self._ended) > 100_000:  # a long run's ended keys: keep the newest
                 for k in list(self._ended)[:50_000]:
@@ -161,6 +175,14 @@ class SessionStore:
         with self._lock:
             return len(self._by_key)
 
+    # How long after its session opened an episode's first request is waited for: episodes start
+    # together and ask within a few hundred milliseconds; one that has not asked by then (it failed or
+    # hangs before its first request) must not hold the others' batches.
+    first_request_s = 0.5
+
     def running(self) -> int:
-        """Awaited sessions open now (episodes still running): the requests a batch may wait for."""
-        return self._awaited  # one read of an int: atomic, no lock needed
+        """The requests a batch may wait for: awaited sessions under way (asked, not ended), and those
+        opened less than ``first_request_s`` ago that have not asked yet."""
+        now = time.time()
+        with self._lock:
+            return self._running + sum(1 for s in self._fresh.values() if now - s.created < self.first_request_s)

@@ -32,7 +32,7 @@ async def where(client, row):
     """Asks once; its metrics say which process ran it."""
     import os
 
-    await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=2)
     if row.get("die"):
-        os._exit(1)  # the actor running it dies
+        os._exit(1)  # the actor running it dies, before its other episodes have started
+    await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=2)
     return {"reward": float(row["k"]), "pid": float(os.getpid())}

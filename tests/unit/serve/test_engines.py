@@ -96,7 +96,14 @@ def test_a_batch_waits_for_every_running_episode_and_no_longer(tmp_path):
     engine = echo_engine(tmp_path, sizes)
     store = SessionStore("server-key")
     sessions = [store.open(tag=i, awaited=True) for i in range(4)]
-    store.open(tag=9)  # a session whose end nobody reports (a client's own): never waited for
+    for s in sessions:  # each asked before (its first turn): it is under way
+        store.mark_asked(s)
+    store.mark_asked(store.open(tag=9))  # a session whose end nobody reports (a client's own): never waited for
+    store.open(tag=8, awaited=True).created -= 1  # opened 1 s ago and never asked (failed first): not waited for
+    assert store.running() == 4
+    fresh = store.open(tag=7, awaited=True)  # just opened: its first request is expected
+    assert store.running() == 5
+    store.end(fresh)
     engine.expected_fn = store.running
     engine.expect_gap_s = 0.3
 
@@ -118,7 +125,7 @@ def test_a_batch_waits_for_every_running_episode_and_no_longer(tmp_path):
         asyncio.run(ask([0.0, 0.05, 0.1]))
         assert sizes == [3]
         sizes.clear()
-        store.open(tag=4, awaited=True)  # a running episode that never asks (busy with a slow tool)
+        store.mark_asked(store.open(tag=4, awaited=True))  # under way, but not asking (busy with a slow tool)
         done = asyncio.run(ask([0.0, 0.0, 0.0]))
         assert sizes == [3] and 0.25 < max(done) < 0.9  # expect_gap_s, then the others' batch
     finally:
