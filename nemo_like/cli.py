@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
+from nemo_like.distributed.worker_registry import started_worker
 from nemo_like.utils.progress import quiet_library_bars
 
 if TYPE_CHECKING:  # a language-model run does not load the gym modules
@@ -67,16 +68,30 @@ def dead_worker(e: BaseException) -> str | None:
         seen.add(id(e))
         text = str(e)
         if isinstance(e, ray.exceptions.RayActorError) or re.search(r"ActorDiedError|The actor (is dead|died)", text):
-            cls = re.search(r"class_name: (\w+)", text)
-            name = re.search(r"\bname: ([\w.-]+)", text)
-            who = (f"a {cls.group(1)}" + ("" if cls.group(1).endswith("Worker") else " actor")) if cls else "a worker process"
+            cls_m = re.search(r"class_name: (\w+)", text)
+            name_m = re.search(r"\bname: ([\w.-]+)", text)
+            node_m = re.search(r"its node has died\. Node Id: (\w+)", text)
+            cls, name, node = (cls_m and cls_m.group(1)), (name_m and name_m.group(1)), (node_m and node_m.group(1))
+            known = started_worker(getattr(e, "actor_id", None))
+            if known is not None and not cls:  # an error that carries only the actor id (ActorUnavailableError)
+                cls, name = known.class_name, name or known.name
+                node = node or (known.node_id if known.node_id and not _node_alive(known.node_id) else None)
+            who = (f"a {cls}" + ("" if cls.endswith("Worker") else " actor")) if cls else "a worker process"
             # A worker group names its actors <prefix>-<rank>-<group id>; the prefix says the role.
-            role = _ROLE_OF_PREFIX.get(name.group(1).split("-")[0]) if name else None
-            node = re.search(r"its node has died\. Node Id: (\w+)", text)
-            return (who + (f" ({name.group(1)}" + (f", the {role} role" if role else "") + ")" if name else "")
-                    + (f" died with its node {node.group(1)[:8]}" if node else " died"))
+            role = _ROLE_OF_PREFIX.get(name.split("-")[0]) if name else None
+            return (who + (f" ({name}" + (f", the {role} role" if role else "") + ")" if name else "")
+                    + (f" died with its node {node[:8]}" if node else " died"))
         e = e.__cause__ or e.__context__
     return None
+
+
+def _node_alive(node_id: str) -> bool:
+    import ray
+
+    try:
+        return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - Ray gone too: say nothing about the node
+        return True
 
 
 def run_grpo(config: MasterConfig) -> int:

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import (
 from nemo_like.distributed.balance import balance_over_shards
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
+from nemo_like.distributed.worker_registry import record_worker
 
 __all__ = ["RayWorkerGroup"]
 
@@ -141,6 +142,8 @@ class RayWorkerGroup:
                 name=f"{name_prefix}-{rank}-{group_id}",
             ).remote(*args, **kwargs)
             self._workers.append(actor)
+            record_worker(actor._actor_id.hex(), self._worker_cls.__name__, f"{name_prefix}-{rank}-{group_id}",
+                          str(node_ids[rank] or ""))
         self._ref_info: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         self._shut_down = False
         logger.info(

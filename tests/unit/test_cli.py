@@ -76,3 +76,23 @@ def test_help_prints_the_usage_and_succeeds(capsys):
         parse_cli(["--help"], "examples/configs/grpo_math_tiny.yaml")
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage: [--config PATH]")
+
+
+def test_dead_worker_names_a_worker_group_actor_from_its_id_alone(ray_session):
+    # A node lost during a call can surface as ActorUnavailableError, whose text has only the actor id:
+    # the worker groups' record names it, and says the node when Ray reports that node dead.
+    from nemo_like.distributed.worker_registry import record_worker
+
+    alive = ray.get_runtime_context().get_node_id()
+    aid = "ab" * 16
+    record_worker(aid, "RolloutWorker", "rollout-0-1234-abcd", alive)
+    lost = ray.exceptions.ActorUnavailableError("connection lost", bytes.fromhex(aid))
+    assert dead_worker(lost) == "a RolloutWorker (rollout-0-1234-abcd, the generation role) died"
+    record_worker(aid, "RolloutWorker", "rollout-0-1234-abcd", "cd" * 28)  # a node Ray does not list alive
+    try:
+        raise RuntimeError("the rollout failed") from lost
+    except RuntimeError as outer:
+        assert dead_worker(outer) == f"a RolloutWorker (rollout-0-1234-abcd, the generation role) died with its node {'cd' * 4}"
+    # An id no worker group started: as before, a worker process.
+    other = ray.exceptions.ActorUnavailableError("connection lost", bytes.fromhex("ef" * 16))
+    assert dead_worker(other) == "a worker process died"
