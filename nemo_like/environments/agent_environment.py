@@ -123,9 +123,11 @@ class AgentEnvironment(EnvironmentInterface):
         parts = [list(range(k, len(rows), n)) for k in range(n)]
         queue: asyncio.Queue = asyncio.Queue()
 
+        def share(idx: list[int]) -> tuple:
+            return [rows[i] for i in idx], base_url, [keys[i] for i in idx], model
+
         async def remote(actor: Any, idx: list[int]):
-            async for ref in actor.stream_episodes.remote([rows[i] for i in idx], base_url, [keys[i] for i in idx],
-                                                         model):
+            async for ref in actor.stream_episodes.remote(*share(idx)):
                 yield await ref
 
         async def pump(idx: list[int], stream: Any) -> None:
@@ -140,8 +142,7 @@ class AgentEnvironment(EnvironmentInterface):
                     queue.put_nowait((idx[j], {"reward": None, "metrics": {}, "timed_out": False, "error": why}))
             finally:
                 queue.put_nowait(None)
-        tasks = [asyncio.create_task(pump(parts[0], self._stream_here([rows[i] for i in parts[0]], base_url,
-                                                                      [keys[i] for i in parts[0]], model)))]
+        tasks = [asyncio.create_task(pump(parts[0], self._stream_here(*share(parts[0]))))]
         tasks += [asyncio.create_task(pump(idx, remote(h, idx))) for h, idx in zip(helpers, parts[1:])]
         running = len(tasks)
         while running:

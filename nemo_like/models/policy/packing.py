@@ -153,11 +153,17 @@ def _checked_lengths(lengths: torch.Tensor, row_length: int) -> list[int]:
     return lens
 
 
+def _grouped(input_ids: torch.Tensor, lengths: torch.Tensor, row_length: int, prefix_lens: torch.Tensor | None
+             ) -> tuple[list[int], list[int], list[tuple[int, list[int]]]]:
+    """The lengths (checked against ``row_length``) and ``_prefix_groups``' samples alone and groups."""
+    lens = _checked_lengths(lengths, row_length)
+    return lens, *_prefix_groups(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens])
+
+
 def plan_rows(input_ids: torch.Tensor, lengths: torch.Tensor, row_length: int,
               prefix_lens: torch.Tensor | None = None) -> list[list[_Unit]]:
     """First-fit decreasing of units into rows of at most ``row_length`` tokens."""
-    lens = _checked_lengths(lengths, row_length)
-    alone, groups = _prefix_groups(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens])
+    lens, alone, groups = _grouped(input_ids, lengths, row_length, prefix_lens)
     return _first_fit(_units(lens, alone, groups, row_length), row_length)
 
 
@@ -216,8 +222,7 @@ def plan_rows_auto(input_ids: torch.Tensor, lengths: torch.Tensor, max_row_lengt
     longest = max(int(n) for n in lengths)
     if ratio <= 0 or longest >= max_row_length:
         return plan_rows(input_ids, lengths, max_row_length, prefix_lens)
-    lens = _checked_lengths(lengths, max_row_length)
-    alone, groups = _prefix_groups(input_ids, lens, None if prefix_lens is None else [int(p) for p in prefix_lens])
+    lens, alone, groups = _grouped(input_ids, lengths, max_row_length, prefix_lens)
     step = max(16, (max_row_length - longest) // 12)
     candidates = sorted({*range(longest, max_row_length, step), max_row_length})
     best, best_cost = None, float("inf")
