@@ -79,8 +79,11 @@ def server(tmp_path_factory, calc_row):
             opt.zero_grad()
     torch.set_num_threads(threads)
     model.eval().requires_grad_(False)
-    engine = LocalEngine(model, tok, GenerationConfig(max_new_tokens=64), context_length=256, slots=8)
-    handle = start_server(engine, model_name="policy")
+    # Sampled at the engine's temperature whatever the harness asks (as the trainer serves): at 1.0 the
+    # taught reply came out misspelt on one CI run (boxedd{12}).
+    engine = LocalEngine(model, tok, GenerationConfig(max_new_tokens=64, temperature=0.2), context_length=256,
+                         slots=8)
+    handle = start_server(engine, model_name="policy", fixed_sampling=True)
     yield handle
     handle.stop()
     engine.close()
