@@ -4,7 +4,8 @@
     python benchmarks/bench_generation.py --device cuda     # the GPU target: SmolLM2-135M shape, batch 256
 
 Engines: HF `generate` per micro-batch (`policy.generation.engine=generate`), this project's continuous
-batching (`engine=continuous`), transformers' own continuous batching (`model.generate_batch`, on a
+batching (`engine=continuous`; `continuous:static`, `:compiled`, `:graphs`: its fixed-shape decode steps,
+`policy.generation.decode_mode`), transformers' own continuous batching (`model.generate_batch`, on a
 capped subset: it is slow on CPU) and `generate` with a static cache and `torch.compile`. Models are
 randomly initialised (no download): the multi-env default's tiny char-level Llama and a Llama with
 SmolLM2-135M's shape. Workloads are GRPO-like (each prompt repeated G times, sampling at T=1.0):
@@ -107,8 +108,9 @@ def run_engine(engine: str, model, tok, w: Work, greedy: bool, data: BatchedData
             ids[i, : len(row)] = torch.tensor(row)
         return sum(len(o.generated_tokens) for o in outs), secs, ids
     static = engine == "static+compile"
+    engine, _, mode = engine.partition(":")  # continuous:<policy.generation.decode_mode>
     cfg = GenerationConfig(max_new_tokens=w.max_new, engine="generate" if static else engine,
-                           share_prompt_prefill=not static)
+                           share_prompt_prefill=not static, decode_mode=mode or "dynamic")
     t = time.perf_counter()
     out = hf_generate(model, tok, data, cfg, greedy=greedy, max_total_length=w.max_total,
                       micro_batch_size=w.micro_batch, synced=False, device=DEVICE)
@@ -151,11 +153,25 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
         status: dict[str, str] = {}
         for e in engines:  # greedy equality first; it also warms each engine up (and compiles)
             try:
+                compiles = e == "static+compile" or e.endswith((":compiled", ":graphs"))
                 if e == "static+compile":
                     set_static_compile(model, True)
+                if compiles:
                     _alarm(args.compile_timeout)
                 t = time.perf_counter()
                 check_model = getattr(args, "check_model", None)
+                if compiles and e != "static+compile" and check_model is not None:
+                    # Compiled for the timed workload's shapes on the bfloat16 model; the float32 check
+                    # runs the same fixed shapes eagerly (compiling the check model too costs GPU minutes;
+                    # compiled against eager steps are compared in tests/unit/models/test_static_decode.py).
+                    run_engine(e, model, tok, w, False)
+                    signal.alarm(0)
+                    took = time.perf_counter() - t
+                    _, _, ids = run_engine("continuous:static", check_model, tok, w, True, data=check)
+                    same = same_tokens(ids, ref, tok.pad_token_id, prefix=False)
+                    status[e] = (f"{'equal' if same else 'DIFFERS'} (its shapes eagerly, float32; first call, "
+                                 f"compiling: {took:.0f} s)")
+                    continue
                 if e == "static+compile" and check_model is not None:
                     # The compiled model is the bfloat16 one: compile it for the timed workload's shapes
                     # (under the alarm); its greedy tokens are not compared (see below).
@@ -166,6 +182,8 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                 # On a GPU the check runs in float32 (args.check_model): bfloat16 logits of two
                 # batchings differ in their last bits, which flips near ties.
                 _, _, ids = run_engine(e, check_model or model, tok, w, True, data=check, cb_cap=args.check)
+                if compiles and e != "static+compile":  # its traces for the workload's shapes too
+                    run_engine(e, model, tok, w, False)
                 signal.alarm(0)
                 warm = time.perf_counter() - t
                 if e == "generate":
@@ -173,7 +191,7 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                     status[e] = "reference"
                 else:
                     status[e] = "equal" if same_tokens(ids, ref, tok.pad_token_id, prefix=e == "generate_batch") else "DIFFERS"
-                if e == "static+compile":
+                if compiles:
                     status[e] += f" (first call, compiling: {warm:.0f} s)"
             except Exception as ex:  # noqa: BLE001 - a failed engine is a row, not the end of the run
                 signal.alarm(0)
@@ -234,7 +252,10 @@ def main_gpu(args, argv: list[str]) -> int:
         return 2
     print("command: python benchmarks/bench_generation.py " + " ".join(argv))
     print(f"device: {torch.cuda.get_device_name(DEVICE) if cuda else 'cpu'}, torch {torch.__version__}")
-    engines = ["generate", "continuous", "generate_batch"] + ([] if args.skip_compile else ["static+compile"])
+    engines = ["generate", "continuous", "continuous:static", "continuous:graphs", "generate_batch"] + (
+        [] if args.skip_compile else ["static+compile"])
+    if args.engines:
+        engines = ["generate"] + [e for e in args.engines.split(",") if e != "generate"]
     with tempfile.TemporaryDirectory() as d:
         tok = build_char_tokenizer(d, extra_tokens=TOOL_TOKENS)
     model = smollm2_shaped(49152, tok.pad_token_id, tok.eos_token_id).to(DEVICE)
@@ -265,6 +286,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile-timeout", type=int, default=300)
     ap.add_argument("--cb-samples", type=int, default=16, help="samples given to generate_batch (it is slow)")
     ap.add_argument("--check", type=int, default=24, help="samples whose greedy tokens are compared")
+    ap.add_argument("--engines", default=None,
+                    help="comma-separated engines instead of the default set (generate always runs: the "
+                         "reference), e.g. continuous,continuous:graphs; continuous:<decode_mode> sets "
+                         "policy.generation.decode_mode")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU workload (batch 256)")
     ap.add_argument("--gpu-workload", action="store_true",
                     help="the batch-256 workload (implied by --device cuda; on a CPU: a smoke run of it)")
@@ -281,7 +306,10 @@ def main(argv: list[str]) -> int:
     print("command: uv run benchmarks/bench_generation.py " + " ".join(argv))
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), load average before: {os.getloadavg()[0]:.1f}")
-    engines = ["generate", "continuous", "generate_batch"] + ([] if args.skip_compile else ["static+compile"])
+    engines = ["generate", "continuous", "continuous:static", "generate_batch"] + (
+        [] if args.skip_compile else ["continuous:compiled", "static+compile"])
+    if args.engines:
+        engines = ["generate"] + [e for e in args.engines.split(",") if e != "generate"]
 
     with tempfile.TemporaryDirectory() as d:
         tok = build_char_tokenizer(d, extra_tokens=TOOL_TOKENS)

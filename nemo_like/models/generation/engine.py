@@ -29,6 +29,7 @@ from nemo_like.models.generation.prefix_cache import PrefixCache, cached_prefill
 from nemo_like.models.generation.sampling import sample as _sample
 from nemo_like.models.generation.sampling import sample_rows as _sample_rows
 from nemo_like.models.generation.slots import Slots
+from nemo_like.models.generation.static_decode import static_decoder
 
 # New prompts are admitted once this fraction of the slots is free (or the queue fits): each admission
 # costs one prefill forward and one copy of the whole cache, so admitting one prompt per freed slot
@@ -172,6 +173,7 @@ class ContinuousBatcher:
         self.pos_limit = position_limit(model)
         fwd = inspect.signature(_base(model).forward).parameters
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in fwd else {}
+        self.static = static_decoder(model, cfg.decode_mode)  # None: each step the shape of its live rows
         self.slots_state: Slots | None = None
         self.count = 0  # requests added
         self.pending: list[int] = []  # added, not yet prefilled
@@ -392,7 +394,7 @@ class ContinuousBatcher:
         need = max(int((lens + self.budgets[req])[go_on].max()), mask.shape[1])
         if self.slots_state is None:
             self.columns = max(self.columns, need + max(self.max_budget // 4, 16))
-            self.slots_state = Slots(self.model, self.slots, self.columns, cache, self.device)
+            self.slots_state = Slots(self.model, self.slots, self.columns, cache, self.device, storage=self.static)
         elif need > self.slots_state.columns:  # a later turn's longer prompt, a cached prefix's gap
             self.columns = need + max(self.max_budget // 4, 16)
             self.slots_state.grow(self.columns)
@@ -432,7 +434,10 @@ class ContinuousBatcher:
         n, L = s.n, s.length
         s.valid[:n, L] = True
         s.sync_layers()
-        logits = self._forward(s.cache, s.last[:n, None], s.pos[:n, None], s.valid[:n, : L + 1])
+        if self.static is not None:
+            logits = self.static.step(s, n)
+        else:
+            logits = self._forward(s.cache, s.last[:n, None], s.pos[:n, None], s.valid[:n, : L + 1])
         s.length = L + 1
         s.pos[:n] += 1
         tok, lp = self._pick(logits, s.req[:n])

@@ -43,6 +43,14 @@ class GenerationConfig(BaseModel):
     # (collectives in every forward) and models whose cache rows cannot be moved freely (sliding-window,
     # recurrent layers) always use "generate".
     engine: Literal["generate", "continuous"] = "continuous"
+    # The continuous engine's decode step (models/generation/static_decode.py). "dynamic": each step
+    # the shape of its live rows and used columns, run eagerly (fastest on a CPU). "static": a few fixed
+    # shapes (rows padded to a power of two, attention over the whole cache under a mask), eagerly;
+    # "compiled": those under torch.compile; "graphs": torch.compile(mode="reduce-overhead"), each
+    # shape's step one CUDA graph, for GPUs, where the eager step is bound by Python and kernel launches
+    # (on a CPU, "graphs" is "compiled"). Greedy outputs equal "dynamic"'s (tests/unit/models/
+    # test_static_decode.py). Needs sdpa or eager attention.
+    decode_mode: Literal["dynamic", "static", "compiled", "graphs"] = "dynamic"
     # Multi-turn rollouts with the continuous engine in one process (one training rank, or each rollout
     # worker): an episode's next turn is admitted as soon as its environment answers, while the other
     # rows keep decoding (nemo_like/experience/streaming.py). False (default): turn by turn, every

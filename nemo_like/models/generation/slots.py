@@ -25,8 +25,17 @@ class _SlotLayer:
         self.keys_buf, self.values_buf = keys, values
         self.n = 0  # rows in use: 0..n-1
         self.length = 0  # columns in use
+        # Fixed-shape steps (static_decode.py): the column to write, in a device tensor, and attention
+        # over all the buffer's columns of as many rows as the step has (the mask hides the rest).
+        self.write_at: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.write_at is not None:
+            rows = key_states.shape[0]
+            keys, values = self.keys_buf[:rows], self.values_buf[:rows]
+            keys.index_copy_(2, self.write_at, key_states)
+            values.index_copy_(2, self.write_at, value_states)
+            return keys, values
         end = self.length + key_states.shape[-2]
         self.keys_buf[: self.n, :, self.length : end] = key_states
         self.values_buf[: self.n, :, self.length : end] = value_states
@@ -59,13 +68,16 @@ class Slots:
     prompts are written into free rows ending at the current column, and a finished row is replaced by
     the last live row (a copy of a few rows, not of the whole cache)."""
 
-    def __init__(self, model, rows: int, columns: int, prefill_cache, device: torch.device):
-        from transformers import DynamicCache
-
-        layer_cls = _slot_layer_class()
-        self.cache = DynamicCache(config=model.config)
-        self.cache.layers = [layer_cls(_buffer(pl.keys, rows, columns), _buffer(pl.values, rows, columns))
-                             for pl in prefill_cache.layers]
+    def __init__(self, model, rows: int, columns: int, prefill_cache, device: torch.device, storage=None):
+        """``storage``: where the cache comes from when it is not made here (``static_decode.StaticDecoder``:
+        buffers kept across calls, so that compiled steps stay valid)."""
+        self.storage = storage
+        if storage is not None:
+            self.cache = storage.cache_for([layer.keys for layer in prefill_cache.layers], rows, columns, self)
+            rows, columns = self.cache.layers[0].keys_buf.shape[0], self.cache.layers[0].keys_buf.shape[2]
+        else:
+            self.cache = slot_cache(model, [(_buffer(pl.keys, rows, columns), _buffer(pl.values, rows, columns))
+                                            for pl in prefill_cache.layers])
         self.columns = columns
         self.valid = torch.zeros((rows, columns), dtype=torch.bool, device=device)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)  # real tokens so far
@@ -110,12 +122,26 @@ class Slots:
     def grow(self, columns: int) -> None:
         """Reallocate the buffers with ``columns`` columns (the rows' tokens stay where they are)."""
         L = self.length
+        if self.storage is not None:
+            old = self.cache
+            self.cache = self.storage.cache_for([layer.keys_buf for layer in old.layers], self.valid.shape[0],
+                                                columns, self)
+            columns = self.cache.layers[0].keys_buf.shape[2]
+            for o, n in zip(old.layers, self.cache.layers):
+                n.keys_buf[:, :, :L], n.values_buf[:, :, :L] = o.keys_buf[:, :, :L], o.values_buf[:, :, :L]
+            old.layers = []
+            self._grow_valid(columns)
+            return
         for layer in self.cache.layers:
             for name in ("keys_buf", "values_buf"):
                 old = getattr(layer, name)
                 new = old.new_zeros((old.shape[0], old.shape[1], columns, old.shape[3]))
                 new[:, :, :L] = old[:, :, :L]
                 setattr(layer, name, new)
+        self._grow_valid(columns)
+
+    def _grow_valid(self, columns: int) -> None:
+        L = self.length
         valid = self.valid.new_zeros((self.valid.shape[0], columns))
         valid[:, :L] = self.valid[:, :L]
         self.valid, self.columns = valid, columns
@@ -139,6 +165,16 @@ class Slots:
         self.valid[:n] = False
         self.valid[:n, :width] = torch.arange(width, device=valid.device)[None] >= (width - count)[:, None]
         self.length = width
+
+
+def slot_cache(model, buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A `DynamicCache` whose layers write into ``buffers`` (per layer: keys, values [rows, heads, columns, dim])."""
+    from transformers import DynamicCache
+
+    layer_cls = _slot_layer_class()
+    cache = DynamicCache(config=model.config)
+    cache.layers = [layer_cls(k, v) for k, v in buffers]
+    return cache
 
 
 def _buffer(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
