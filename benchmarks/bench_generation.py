@@ -165,6 +165,7 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                     # runs the same fixed shapes eagerly (compiling the check model too costs GPU minutes;
                     # compiled against eager steps are compared in tests/unit/models/test_static_decode.py).
                     run_engine(e, model, tok, w, False)
+                    run_engine(e, model, tok, w, False)  # sampled rows end at other steps: other shapes
                     signal.alarm(0)
                     took = time.perf_counter() - t
                     _, _, ids = run_engine("continuous:static", check_model, tok, w, True, data=check)
@@ -184,6 +185,7 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                 _, _, ids = run_engine(e, check_model or model, tok, w, True, data=check, cb_cap=args.check)
                 if compiles and e != "static+compile":  # its traces for the workload's shapes too
                     run_engine(e, model, tok, w, False)
+                    run_engine(e, model, tok, w, False)
                 signal.alarm(0)
                 warm = time.perf_counter() - t
                 if e == "generate":
@@ -198,6 +200,7 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                 status[e] = f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:90] if str(ex) else ''}"
             finally:
                 set_static_compile(model, False)
+        traces = _traces()
         for _ in range(args.reps):
             for e in engines:
                 if status[e].startswith("failed"):
@@ -211,6 +214,10 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
                     status[e] = f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:90]}"
                 finally:
                     set_static_compile(model, False)
+        if _traces() > traces:  # the timed runs include compile time: say so
+            for e in engines:
+                if e.endswith((":compiled", ":graphs")) and not status[e].startswith("failed"):
+                    status[e] += f"; {_traces() - traces} trace(s) compiled while timed"
         base = max(results["generate"])[0] if results["generate"] else None
         for e in engines:
             if status[e].startswith("failed") or not results[e]:
@@ -221,6 +228,12 @@ def bench_model(label: str, model, tok, works: list[Work], engines: list[str], a
             rows.append((label, w.name, e, f"{tps:,.0f}", speed, str(toks), f"{secs:.2f}", status[e]))
             print(f"  {label} {w.name} {e}: {tps:,.0f} tok/s", file=sys.stderr, flush=True)
     return rows
+
+
+def _traces() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def step_overhead(model, tok, args) -> str:

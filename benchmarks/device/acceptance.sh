@@ -11,7 +11,9 @@
 #   cuda_tests  tests/unit/models/test_cuda.py: continuous engine = generate on CUDA; a training step
 #               and an object-store refit between a trainer and a rollout worker sharing the GPU; the
 #               critic in bf16 and the reward model on the GPU against float32 on the CPU
-#   generation  bench_generation.py --device cuda: tokens/s at batch 256, SmolLM2-135M shape, bf16
+#   generation  bench_generation.py --device cuda: tokens/s at batch 256, SmolLM2-135M shape, bf16: HF
+#               generate, the continuous engine's dynamic, static and CUDA-graph decode steps
+#               (policy.generation.decode_mode), transformers' generate_batch
 #   smollm2     the SmolLM2 recipe (grpo_smollm2_cpu.yaml) on the GPU in bf16 through Ray, for
 #               SMOL_S seconds of training: held-out accuracy before and after, per-phase timing
 #               and the perf/ metrics (tokens/s, peak memory, MFU) of metrics.jsonl
@@ -109,9 +111,32 @@ import_reasoning_gym()  # with stand-ins for the generators left out (pycosat, c
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))
 print(\"transformers\", transformers.__version__, \"ray\", ray.__version__, \"pydantic\", pydantic.__version__,
       \"trl\", trl.__version__, \"megatron-core\", megatron.core.__version__)
+try:  # torch.compile on CUDA (decode_mode: graphs) needs it
+    import triton; print(\"triton\", triton.__version__)
+except ImportError as e:
+    print(\"no triton:\", e)
 "'
-check cuda_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
-check generation 80 python3 benchmarks/bench_generation.py --device cuda --reps 2 --skip-compile
+check cuda_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/models/test_cuda.py
+check generation 170 python3 benchmarks/bench_generation.py --device cuda --reps 2 --compile-timeout 120 \
+  --engines continuous,continuous:static,continuous:graphs,generate_batch
+# The recipe decodes with CUDA graphs when the generation check found them equal to generate and faster
+# than the dynamic step; else as before (the summary says which).
+DECODE=$(python3 - "$OUT/generation.log" <<'PY'
+import sys
+rows = {}
+for line in open(sys.argv[1], errors="replace") if __import__("os").path.exists(sys.argv[1]) else []:
+    cells = [c.strip() for c in line.split("|")]
+    if len(cells) == 8 and cells[2].startswith("continuous"):
+        try:
+            rows[cells[2]] = (float(cells[3].replace(",", "")), cells[7])
+        except ValueError:
+            pass
+g, d = rows.get("continuous:graphs"), rows.get("continuous")
+print("graphs" if g and d and g[1].startswith("equal") and g[0] > d[0] else "dynamic")
+PY
+)
+echo "decode_mode for the recipe: $DECODE" >> "$summary"
+SMOL+=(policy.generation.decode_mode="$DECODE")
 check smollm2 $((SMOL_S + 70)) python3 examples/run_grpo_math.py "${SMOL[@]}" grpo.max_duration_s="$SMOL_S" \
   grpo.max_num_steps=1000 grpo.val_period=10 checkpointing.enabled=false logger.log_dir=/tmp/smollm2_cuda \
   logger.tensorboard_enabled=false

@@ -40,6 +40,30 @@ def test_continuous_engine_equals_generate_on_cuda(model_dir):
     torch.testing.assert_close(outs["continuous"]["logprobs"], outs["generate"]["logprobs"], atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["static", "graphs"])
+def test_fixed_shape_decode_steps_equal_generate_on_cuda(model_dir, mode):
+    """``policy.generation.decode_mode`` static (fixed shapes, eager) and graphs (those compiled and
+    replayed as CUDA graphs): greedy tokens equal HF ``generate``'s, on a second call too (replayed)."""
+    from nemo_like.models.generation.static_decode import static_decoder
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to("cuda").eval()
+    data = tokenized(tok, PROMPTS)
+
+    def run(engine, decode_mode="dynamic"):
+        cfg = GenerationConfig(max_new_tokens=8, engine=engine, decode_mode=decode_mode)
+        return hf_generate(model, tok, data, cfg, greedy=True, max_total_length=40, micro_batch_size=4,
+                           synced=False, device=torch.device("cuda"))
+
+    ref = run("generate")
+    for _ in range(2):
+        out = run("continuous", mode)
+        assert torch.equal(out["output_ids"], ref["output_ids"])
+        assert torch.equal(out["generation_lengths"], ref["generation_lengths"])
+        torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-3, rtol=0)
+    assert static_decoder(model, mode).steps >= 14
+
+
 def test_training_step_and_refit_on_one_gpu(ray_session, model_dir):
     """A policy worker trains a step on the GPU; a rollout worker on the same GPU is refit from it:
     checksums equal, greedy outputs equal the policy's own, and the samples carry the version."""
