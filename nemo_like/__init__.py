@@ -7,13 +7,20 @@ __version__ = "0.1.0"
 
 # NEMO_LIKE_STACKS_ON_SIGUSR1=1: every process that imports the package (the driver, each Ray worker
 # and environment actor) prints all its threads' Python stacks to stderr on SIGUSR1, so a run that
-# hangs can be asked where it is without a debugger (benchmarks/device/acceptance.sh does, before
-# its time limit kills a check). Ray workers inherit the variable from the driver's environment.
+# hangs can be asked where it is without a debugger (the stall watch does, distributed/stall.py, and
+# benchmarks/device/acceptance.sh before its time limit kills a check). The processes of a local Ray
+# cluster the driver starts have it set (unless the driver's environment sets it to 0), and leave
+# their pid in NEMO_LIKE_STACKS_DIR, so the driver knows whom to ask.
 if os.environ.get("NEMO_LIKE_STACKS_ON_SIGUSR1") == "1":
     import faulthandler
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if _stacks_dir := os.environ.get("NEMO_LIKE_STACKS_DIR"):
+        try:
+            open(os.path.join(_stacks_dir, str(os.getpid())), "w").close()
+        except OSError:  # the folder is gone (its cluster stopped): nobody will ask
+            pass
 __all__ = ["GRPOExperiment", "__version__"]
 
 

@@ -1,8 +1,9 @@
 """Shared CLI plumbing: bad input exits with code 2 and one line that names the problem; a run that
 cannot learn (an environment that does not start, grading that keeps failing) exits with code 1, and
 one that collapsed (grpo.stop_on_collapse) with code 3, and one whose worker process died (a
-policy or rollout worker: killed, out of memory) with code 4 and one line; running the same command
-again resumes it from its newest checkpoint."""
+policy or rollout worker: killed, out of memory) with code 4 and one line, and one that stopped making
+progress (grpo.stall_watch: every process's stacks printed) with code 5 and one line; running the same
+command again resumes it from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config, parse_cli
+from nemo_like.distributed.stall import StalledError
 from nemo_like.distributed.worker_registry import started_worker
 from nemo_like.utils.progress import quiet_library_bars
 
@@ -41,15 +43,22 @@ def run_cli(argv: list[str], default_config: str | Path, run: Callable[[Any], in
     except (EnvironmentStartError, EnvironmentFailureError) as e:  # the run cannot learn: say why, once
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except StalledError as e:  # the Python stacks of every process are printed above it
+        print(f"error: {e}; run the same command again to resume from {_resume_point(config)}", file=sys.stderr)
+        return 5
     except Exception as e:
         if (dead := dead_worker(e)) is None:
             raise
-        ckpt = getattr(config, "checkpointing", None)
-        where = (f"the newest checkpoint in {ckpt.checkpoint_dir}" if ckpt is not None and ckpt.enabled
-                 else "the start: checkpointing is off")
-        print(f"error: stopped: {dead}; run the same command again to resume from {where}", file=sys.stderr)
+        print(f"error: stopped: {dead}; run the same command again to resume from {_resume_point(config)}",
+              file=sys.stderr)
         return 4
     return int(code or 0)
+
+
+def _resume_point(config: Any) -> str:
+    ckpt = getattr(config, "checkpointing", None)
+    return (f"the newest checkpoint in {ckpt.checkpoint_dir}" if ckpt is not None and ckpt.enabled
+            else "the start: checkpointing is off")
 
 
 # Worker-group name prefixes (RayWorkerGroup name_prefix) and the cluster.roles role each one is.

@@ -17,7 +17,7 @@ from nemo_like.utils.options import apply_registered_options
 
 __all__ = ["AsyncRolloutsConfig", "BootstrapConfig", "ClusterConfig", "CollapseStopConfig", "DataConfig",
            "DynamicSamplingConfig", "GAEConfig", "GRPOConfig", "GenerationClusterConfig", "KLInRewardConfig",
-           "ModelBuildConfig", "ROLES", "ResourcePoolConfig", "SFTBootstrapConfig"]
+           "ModelBuildConfig", "ROLES", "ResourcePoolConfig", "SFTBootstrapConfig", "StallWatchConfig"]
 
 
 class _Strict(BaseModel):
@@ -80,6 +80,21 @@ class CollapseStopConfig(_Strict):
     # verifier's verdict) at most this share of its best so far, while the reward model's score
     # (rm/score_mean) is above what it was at that best. None: not watched.
     gold_drop: float | None = Field(0.5, gt=0, lt=1)
+
+
+class StallWatchConfig(_Strict):
+    """A run that stops making progress prints every process's stacks and stops with one line naming
+    what it waited for (nemo_like/distributed/stall.py)."""
+
+    # A step (or a validation, a checkpoint save) running past this multiple of the median of those
+    # before it is a stall. null: only first_s applies.
+    factor: float | None = Field(20.0, gt=1)
+    # ...and past at least this many seconds (a 1-second step's 20x would trip on a busy machine).
+    min_s: float = Field(300.0, gt=0)
+    # Phases of a kind timed before their median counts (the first steps compile, warm caches).
+    after: int = Field(3, ge=1)
+    # The limit of a kind's first `after` phases (the first step: loading, compiling). null: unwatched.
+    first_s: float | None = Field(None, gt=0)
 
 
 class AsyncRolloutsConfig(_Strict):
@@ -168,6 +183,7 @@ class GRPOConfig(BaseModel):
     slow_env_first_s: float | None = Field(0.5, gt=0)
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     stop_on_collapse: CollapseStopConfig = CollapseStopConfig()
+    stall_watch: StallWatchConfig = StallWatchConfig()
     async_rollouts: AsyncRolloutsConfig = AsyncRolloutsConfig()
     kl_in_reward: KLInRewardConfig = KLInRewardConfig()
     gae: GAEConfig = GAEConfig()

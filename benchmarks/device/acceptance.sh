@@ -61,8 +61,11 @@ export NEMO_LIKE_CACHE="$PWD/.carry_models" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_M
 # A check about to be killed at its limit is first asked for its Python stacks (nemo_like/__init__.py).
 export NEMO_LIKE_STACKS_ON_SIGUSR1=1
 echo "install: done in $(( $(date +%s) - start )) s" >> "$summary"
+# A step past 5 x the median (at least 20 s), or a first step past 90 s, prints every process's stacks
+# and stops with one line naming the wait (grpo.stall_watch): a hang says where it is within its check.
 SMOL=(--config examples/configs/grpo_smollm2_cpu.yaml "policy.model_name=gguf:$(ls /tmp/big/*.gguf)"
-      cluster.gpus_per_worker=1 cluster.cpus_per_worker=4 cluster.num_cpus=8 policy.precision=bfloat16)
+      cluster.gpus_per_worker=1 cluster.cpus_per_worker=4 cluster.num_cpus=8 policy.precision=bfloat16
+      grpo.stall_watch.factor=5 grpo.stall_watch.min_s=20 grpo.stall_watch.after=2 grpo.stall_watch.first_s=90)
 
 # The code environment's sandbox is bubblewrap; an image without it grades code unsandboxed (rlimits only).
 SANDBOX=()

@@ -37,6 +37,7 @@ from nemo_like.config import MasterConfig
 from nemo_like.data.collate import rl_collate_fn
 from nemo_like.data.sampler import EpochSampler, MixtureSampler
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
+from nemo_like.distributed.stall import StallWatch
 from nemo_like.environments.registry import step_concurrency
 from nemo_like.environments.supervision import FailureWatch, step_timeouts
 from nemo_like.experience.agent_rollouts import AgentServer, is_agent_env, rollout_with_agents
@@ -89,6 +90,7 @@ class GRPOTrainer:
     env_names: dict[str, str] = field(default_factory=dict)
 
     collapse_watch: CollapseWatch = field(init=False)
+    stall_watch: StallWatch = field(init=False)  # a step that stops making progress stops the run (grpo.stall_watch)
     # Environment call times per task (grpo.slow_env_first_s): which tasks a turn generates first.
     env_times: EnvTimes | None = field(init=False, default=None)
     stop_reason: str | None = None  # why the run stopped early (a collapse), else None
@@ -117,6 +119,8 @@ class GRPOTrainer:
             t: float((self.config.env.get(e) or {}).get("max_failed_fraction", 0.5))
             for t, e in task_envs.items() if is_agent_env(e)}, env_names=task_envs)
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
+        self.stall_watch = StallWatch(**self.config.grpo.stall_watch.model_dump()).start()
+        self._resources.insert(0, self.stall_watch.close)  # closed last: closing workers can hang too
         self.generator = self.generator if self.generator is not None else self.policy
         self.ppo = PPOStage(self.config, self.critic)
         self.distill = DistillStage(self.config.teacher, self.teacher)
@@ -135,7 +139,8 @@ class GRPOTrainer:
         sampler_state = copy.deepcopy(self.sampler.state_dict())
         self._moved, self._taken = False, None
         try:
-            return self._step()
+            with self.stall_watch.phase("step", f"step {self.step_count + 1}"):
+                return self._step()
         except BaseException:
             if self._moved:
                 self.step_count += 1
@@ -387,6 +392,10 @@ class GRPOTrainer:
         for the built-in graders), with the mean reward beside it."""
         if self.val_dataset is None:
             return {}
+        with self.stall_watch.phase("validation", f"the validation at step {self.step_count}"):
+            return self._validate(log)
+
+    def _validate(self, log: bool) -> dict[str, float]:
         cap = self.config.grpo.max_val_samples
         # Multi-task: up to max_val_samples of every task, so each task's accuracy is measured.
         idx = (self.val_dataset.first_indices(cap) if hasattr(self.val_dataset, "first_indices")

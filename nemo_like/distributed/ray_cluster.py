@@ -33,6 +33,8 @@ from ray.util.placement_group import (  # noqa: E402
     remove_placement_group,
 )
 
+from nemo_like.distributed.stall import stack_env  # noqa: E402
+
 __all__ = ["init_ray", "shutdown_ray_if_started", "RayVirtualCluster"]
 
 logger = logging.getLogger(__name__)
@@ -133,8 +135,9 @@ def init_ray(
     # RAY_ADDRESS is unset here, but a stale /tmp/ray/ray_current_cluster must not make
     # ray.init() attach to somebody else's cluster: address="local" always starts a new one.
     ray_init_kwargs.setdefault("include_dashboard", False)
-    before = {k: os.environ.get(k) for k in WORKER_ENV}
-    os.environ.update(WORKER_ENV)
+    worker_env = WORKER_ENV | stack_env(temp_dir)  # stack dumps on SIGUSR1 (distributed/stall.py)
+    before = {k: os.environ.get(k) for k in worker_env}
+    os.environ.update(worker_env)
     try:
         ray.init(
             address="local",

@@ -28,10 +28,11 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from nemo_like.distributed import stall
 from nemo_like.distributed.balance import balance_over_shards
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.distributed.ray_cluster import RayVirtualCluster
-from nemo_like.distributed.worker_registry import record_worker
+from nemo_like.distributed.worker_registry import record_worker, started_worker
 
 __all__ = ["RayWorkerGroup"]
 
@@ -252,25 +253,44 @@ class RayWorkerGroup:
         pending = {ref.hex(): i for i, ref in enumerate(refs)}
         remaining = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while remaining:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, remaining = ray.wait(remaining, num_returns=1, timeout=wait_s)
-            if not done:
-                ranks = [self._describe(r, pending[r.hex()])[0] for r in remaining]
-                raise TimeoutError(f"{self.name_prefix}: ranks {ranks} did not finish within {timeout}s")
-            ref = done[0]
-            idx = pending[ref.hex()]
-            try:
-                results[idx] = ray.get(ref)
-            except ray.exceptions.RayError as e:
-                rank, method = self._describe(ref, idx)
-                kind = "died" if isinstance(e, ray.exceptions.RayActorError) else "raised"
-                raise RuntimeError(
-                    f"{self.name_prefix} rank {rank} {kind} in {method!r}: {type(e).__name__}: "
-                    f"{_ANSI.sub('', str(e))}"
-                ) from e
-            self._ref_info.pop(ref.hex(), None)
+        with stall.waiting_for(lambda: self._waiting_text(remaining, pending)):
+            while remaining:
+                wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if stall.active() is not None:  # a stall watch runs: look up between short waits
+                    wait_s = 1.0 if wait_s is None else min(wait_s, 1.0)
+                done, remaining = ray.wait(remaining, num_returns=1, timeout=wait_s)
+                if done:
+                    self._take(done[0], pending[done[0].hex()], results)
+                    continue
+                stall.check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    ranks = [self._describe(r, pending[r.hex()])[0] for r in remaining]
+                    raise TimeoutError(f"{self.name_prefix}: ranks {ranks} did not finish within {timeout}s")
         return [results[i] for i in range(len(refs))]
+
+    def _waiting_text(self, remaining: list[ray.ObjectRef], pending: dict[str, int]) -> str:
+        """"policy rank 1 (PolicyWorker policy-1-ab12cd34) in 'train'" for each rank still running."""
+        out = []
+        for r in list(remaining):
+            rank, method = self._describe(r, pending[r.hex()])
+            known = (started_worker(self._workers[rank]._actor_id.hex())
+                     if 0 <= rank < len(self._workers) else None)
+            who = f" ({known.class_name} {known.name})" if known is not None else ""
+            out.append(f"{self.name_prefix} rank {rank}{who} in {method!r}")
+        return ", ".join(out)
+
+    def _take(self, ref: ray.ObjectRef, idx: int, results: dict[int, Any]) -> None:
+        """A finished ref's result into ``results``; RuntimeError naming the rank and method if it failed."""
+        try:
+            results[idx] = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            rank, method = self._describe(ref, idx)
+            kind = "died" if isinstance(e, ray.exceptions.RayActorError) else "raised"
+            raise RuntimeError(
+                f"{self.name_prefix} rank {rank} {kind} in {method!r}: {type(e).__name__}: "
+                f"{_ANSI.sub('', str(e))}"
+            ) from e
+        self._ref_info.pop(ref.hex(), None)
 
     def _describe(self, ref: ray.ObjectRef, idx: int) -> tuple[int, str]:
         # Refs not created by this group (e.g. built by hand): fall back to their position.

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from nemo_like.distributed import stall
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.environments.interfaces import EnvironmentReturn
 from nemo_like.environments.supervision import START_TIMEOUT_S, first_line_of_error
@@ -90,7 +91,8 @@ class PendingRewards:
             idx = self.by_task[task]
             try:
                 left = None if self.deadlines[task] is None else max(0.0, self.deadlines[task] - time.monotonic())
-                ret: EnvironmentReturn = ray.get(fut, timeout=left)
+                with stall.waiting_for(lambda task=task: f"the environment of task {task!r} in 'step'"):
+                    ret: EnvironmentReturn = ray.get(fut, timeout=left)
             except ray.exceptions.GetTimeoutError:
                 _restart(self.envs[task], fut)
                 rets, m, err = call_failed(task, len(idx), f"step timed out after {self.step_timeouts[task]:g} s; "
