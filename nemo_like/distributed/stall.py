@@ -88,7 +88,8 @@ class StallWatch:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.tripped: str | None = None
+        self.tripped: str | None = None  # the stop's one line, from the trip until the stalled phase ends
+        self._tripped_entry: list | None = None
         self.raised = False
 
     @property
@@ -126,8 +127,13 @@ class StallWatch:
             raise StalledError(self.tripped) from None
         finally:
             with self._lock:
-                _, _, t0 = self._stack.pop()
-                took = time.monotonic() - t0
+                entry = self._stack.pop()
+                took = time.monotonic() - entry[2]
+                if entry is self._tripped_entry:  # the stalled phase is over: stopped, or slow and done
+                    if not self.raised:
+                        print(f"[nemo_like] {entry[1]} finished after all; the run goes on", file=sys.stderr,
+                              flush=True)
+                    self.tripped, self._tripped_entry, self.raised = None, None, False
                 if ok:
                     self.history[label].append(took)
                 if self._stack:
@@ -147,12 +153,13 @@ class StallWatch:
             with self._lock:
                 if not self._stack or self.tripped is not None:
                     continue
-                label, what, t0 = self._stack[-1]
+                entry = self._stack[-1]
+                label, what, t0 = entry
                 elapsed, limit = time.monotonic() - t0, self.limit(label)
             if limit is not None and elapsed > limit:
-                self._trip(label, what, elapsed, limit)
+                self._trip(entry, label, what, elapsed, limit)
 
-    def _trip(self, label: str, what: str, elapsed: float, limit: float) -> None:
+    def _trip(self, entry: list, label: str, what: str, elapsed: float, limit: float) -> None:
         done = self.history[label]
         why = (f"{self.key}: {self.factor:g} x the median {label} of {statistics.median(done[-50:]):.1f} s, at "
                f"least min_s {self.min_s:g} s" if len(done) >= self.after else f"{self.key}.first_s")
@@ -161,16 +168,21 @@ class StallWatch:
         print(f"[nemo_like] {what} has run {elapsed:.0f} s, past {limit:.0f} s ({why}): the Python stacks of "
               "every process follow", file=sys.stderr, flush=True)
         dump_stacks()
-        self.tripped = (f"stalled: {what} ran past {limit:.0f} s ({why}) waiting for {waited}; the Python "
-                        "stacks of every process are printed above")
+        with self._lock:
+            if not any(e is entry for e in self._stack):  # it ended while the stacks were printed
+                return
+            self.tripped, self._tripped_entry = (f"stalled: {what} ran past {limit:.0f} s ({why}) waiting for "
+                                                 f"{waited}; the Python stacks of every process are printed above"), entry
         # A wait that polls check() raises within a poll; a driver blocked elsewhere is interrupted.
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and not self.raised and not self._stop.is_set():
-            time.sleep(0.1)
-        if not self.raised and not self._stop.is_set():
-            # SIGINT to the main thread itself: its blocking call returns (EINTR) and Python raises
-            # KeyboardInterrupt there (_thread.interrupt_main only sets a flag a blocked call never reads).
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        while time.monotonic() < deadline and self._tripped_entry is entry and not self.raised:
+            if self._stop.wait(0.1):
+                return
+        with self._lock:
+            if self._tripped_entry is entry and not self.raised and not self._stop.is_set():
+                # SIGINT to the main thread itself: its blocking call returns (EINTR) and Python raises
+                # KeyboardInterrupt there (_thread.interrupt_main only sets a flag a blocked call never reads).
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def dump_stacks() -> int:

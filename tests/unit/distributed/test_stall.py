@@ -73,6 +73,23 @@ def test_a_driver_blocked_outside_worker_waits_is_interrupted_with_one_line(capf
     assert stall.active() is None
 
 
+def test_a_slow_phase_that_ends_within_the_grace_goes_on_and_the_watch_stays_armed(capfd):
+    w = _watch(grace_s=2.0).start()
+    try:
+        for i in range(2):
+            with w.phase("step", f"step {i + 1}"):
+                time.sleep(0.05)
+        with w.phase("step", "step 3"):
+            threading.Event().wait(0.9)  # past the 0.4 s limit, done before the interrupt
+        assert w.tripped is None
+        err = capfd.readouterr().err
+        assert "step 3 has run" in err and "step 3 finished after all; the run goes on" in err
+        with pytest.raises(StalledError, match="stalled: step 4 ran past"), w.phase("step", "step 4"):
+            threading.Event().wait(30)
+    finally:
+        w.close()
+
+
 def test_a_stalled_worker_group_wait_names_the_rank_and_every_worker_prints_its_stacks(ray_session, capfd):
     cluster = RayVirtualCluster(2, cpus_per_worker=0.5, name="stall-test")
     g = RayWorkerGroup(cluster, Napper, name_prefix="napper")
