@@ -82,26 +82,29 @@ def run_steps(steps: int, extra: list[str]) -> dict[str, dict]:
     return out
 
 
-def tiny_server(tmp: str, slots: int):
+def tiny_server(tmp: str, slots: int, model: str | None = None, decode_mode: str = "dynamic"):
+    """A server over ``model`` (what ``policy.model_name`` takes; on a GPU when there is one), or over the
+    tiny model built in ``tmp``."""
     from nemo_like.models.tiny import build_char_tokenizer, build_tiny_llama
     from nemo_like.serve.loading import load_engine
     from nemo_like.serve.server import start_server
 
-    tok = build_char_tokenizer(tmp)
-    build_tiny_llama(tok, hidden_size=128, num_layers=4, num_heads=4, max_position_embeddings=512, seed=0,
-                     save_dir=tmp)
-    engine = load_engine(tmp, max_num_seqs=slots)
+    if model is None:
+        tok = build_char_tokenizer(tmp)
+        build_tiny_llama(tok, hidden_size=128, num_layers=4, num_heads=4, max_position_embeddings=512, seed=0,
+                         save_dir=tmp)
+    engine = load_engine(model or tmp, max_num_seqs=slots, decode_mode=decode_mode)
     return engine, start_server(engine, model_name="tiny")
 
 
-def run_load(sessions: int, slots: int, tokens: int) -> dict:
+def run_load(sessions: int, slots: int, tokens: int, model: str | None = None, decode_mode: str = "dynamic") -> dict:
     """``sessions`` two-turn chats at once over HTTP, against the same turns on the engine directly."""
     import openai
 
     from nemo_like.serve.engines import GenParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine, server = tiny_server(tmp, slots)
+        engine, server = tiny_server(tmp, slots, model, decode_mode)
         try:
             async def direct() -> int:  # the engine without HTTP: the same prompts, the same budgets
                 tok = engine.tokenizer
@@ -224,13 +227,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fuzz", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--model", default=None, help="load: serve this model (what policy.model_name takes; on the GPU "
+                                                 "when there is one) instead of the tiny one")
+    p.add_argument("--decode-mode", default="dynamic", choices=["dynamic", "static", "compiled", "graphs"],
+                   help="load: the engine's decode step (policy.generation.decode_mode)")
     p.add_argument("overrides", nargs="*", help="key=value for both GRPO runs")
     args = p.parse_args(argv)
     res: dict = {}
     if "steps" in args.parts:
         res["steps"] = run_steps(args.steps, args.overrides)
     if "load" in args.parts:
-        res["load"] = run_load(args.sessions, args.slots, args.tokens)
+        res["load"] = run_load(args.sessions, args.slots, args.tokens, args.model, args.decode_mode)
     if "fuzz" in args.parts:
         res["fuzz"] = run_fuzz(args.fuzz, args.seed)
     if args.json:

@@ -23,6 +23,9 @@
 #   async       bench_async.py, sync against async (trainer and one rollout worker on half the GPU
 #               each, max_staleness 1) on the multi-env default as it is (no tool latency),
 #               ASYNC_STEPS steps each
+#   endpoint    bench_agent_endpoint.py --parts load: 256 concurrent two-turn chat sessions over HTTP
+#               against the OpenAI-compatible server over SmolLM2 on the GPU, tokens/s against the same
+#               prompts given to its engine directly (the decode mode the generation check chose)
 #   grpo        (only when named in ONLY) the tiny math default on the GPU, GRPO_STEPS steps
 # The NCCL refit between two groups needs two GPUs: one machine of one GPU cannot run it (NCCL
 # refuses two ranks on one device), so it is not among these checks.
@@ -33,7 +36,7 @@ GRPO_STEPS=${GRPO_STEPS:-10}
 ASYNC_STEPS=${ASYNC_STEPS:-6}
 SMOL_S=${SMOL_S:-100}
 TRL_STEPS=${TRL_STEPS:-6}
-ONLY=${ONLY:-env cuda_tests generation smollm2 megatron trl async}
+ONLY=${ONLY:-env cuda_tests generation smollm2 megatron trl async endpoint}
 mkdir -p "$OUT"
 start=$(date +%s)
 summary="$OUT/summary.txt"
@@ -158,6 +161,8 @@ check async 80 python3 benchmarks/bench_async.py --steps "$ASYNC_STEPS" --latenc
   --png /tmp/bench_async.png --json "$OUT/async.json" cluster.gpus_per_worker=0.5 \
   cluster.generation.gpus_per_worker=0.5 policy.precision=bfloat16 cluster.num_cpus=16 cluster.cpus_per_worker=8 \
   "${SANDBOX[@]}"
+check endpoint 100 python3 benchmarks/bench_agent_endpoint.py --parts load --sessions 256 --slots 256 --tokens 64 \
+  --model "gguf:$(ls /tmp/big/*.gguf)" --decode-mode "$DECODE" --json "$OUT/endpoint.json"
 check grpo 120 python3 examples/run_grpo_math.py cluster.gpus_per_worker=1 cluster.cpus_per_worker=4 \
   cluster.num_cpus=8 policy.precision=bfloat16 grpo.max_num_steps="$GRPO_STEPS" grpo.val_period="$GRPO_STEPS" \
   grpo.max_val_samples=200 checkpointing.enabled=false logger.log_dir=/tmp/grpo_cuda logger.tensorboard_enabled=false

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="context length in tokens (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together (default 32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--decode-mode", default="dynamic", choices=["dynamic", "static", "compiled", "graphs"],
+                   help="the engine's decode step (policy.generation.decode_mode); graphs: CUDA graphs, for GPUs")
     args = p.parse_args(argv)
 
     from nemo_like.serve.loading import load_engine  # torch and transformers: only once the arguments are right
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = load_engine(args.model, chat_template=args.chat_template, max_model_len=args.max_model_len,
-                             max_num_seqs=args.max_num_seqs, threads=args.threads)
+                             max_num_seqs=args.max_num_seqs, threads=args.threads, decode_mode=args.decode_mode)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: --model {args.model}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

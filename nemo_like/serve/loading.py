@@ -11,7 +11,8 @@ from nemo_like.serve.engines import LocalEngine
 
 
 def load_engine(model: str, *, chat_template: str | None = "default", max_model_len: int | None = None,
-                max_num_seqs: int = 32, threads: int | None = None, trust_remote_code: bool = False) -> LocalEngine:
+                max_num_seqs: int = 32, threads: int | None = None, trust_remote_code: bool = False,
+                decode_mode: str = "dynamic") -> LocalEngine:
     """``model`` (what ``policy.model_name`` takes) on this machine's device, ready to serve."""
     from transformers import AutoModelForCausalLM
 
@@ -26,5 +27,5 @@ def load_engine(model: str, *, chat_template: str | None = "default", max_model_
     lm.to(device).eval().requires_grad_(False)
     limit = getattr(lm.config, "max_position_embeddings", None) or 4096
     context = min(max_model_len or min(limit, 4096), limit)
-    cfg = GenerationConfig(max_new_tokens=context, temperature=1.0)
+    cfg = GenerationConfig(max_new_tokens=context, temperature=1.0, decode_mode=decode_mode)
     return LocalEngine(lm, tokenizer, cfg, context_length=context, slots=max_num_seqs, device=device)

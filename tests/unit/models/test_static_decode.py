@@ -130,6 +130,62 @@ def test_stop_strings_and_cached_prefixes(tiny):
     _assert_same(_gen(model, tok, nxt, "dynamic", max_total=200), got)
 
 
+class _NextTurns:
+    """A request source as a server's is: each finished request's tokens plus a user turn come back as
+    a new request (up to ``turns`` per episode), longer than any before (the columns must grow)."""
+
+    def __init__(self, tok, turns: int):
+        self.tok, self.turns, self.queue, self.depth, self.done = tok, turns, [], {}, []
+        self.suffix = tok("<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n<|im_start|>assistant\n",
+                          add_special_tokens=False)["input_ids"]
+
+    def poll(self, batcher, block):
+        for ids, depth in self.queue:
+            [r] = batcher.add(torch.tensor([ids]), torch.tensor([len(ids)]), [None])
+            self.depth[r] = depth
+        self.queue = []
+
+    def finished(self, batcher, requests):
+        for r in requests:
+            toks, _, _ = batcher.result(r)
+            self.done.append((r, toks.tolist()))
+            if self.depth.get(r, 0) + 1 < self.turns:
+                n = int(batcher.lengths[r])
+                self.queue.append((batcher.input_ids[r, :n].tolist() + toks.tolist() + self.suffix,
+                                   self.depth.get(r, 0) + 1))
+
+    def exhausted(self):
+        return not self.queue
+
+
+def test_a_stream_of_next_turns_decodes_as_the_dynamic_step_does(tiny, monkeypatch):
+    """The server's and the streamed episodes' batcher (requests arriving while others decode, prompts
+    growing turn by turn): the same tokens with fixed-shape steps, the kept cache grown on the way
+    (columns in steps of 16 here)."""
+    from nemo_like.models.generation.engine import ContinuousBatcher
+
+    tok, model, data = tiny
+    monkeypatch.setattr(static_decode, "COLUMN_STEP", 16)
+    static_decode._DECODERS.pop(model, None)
+    grown = []
+    grow = Slots.grow
+    monkeypatch.setattr(Slots, "grow", lambda self, c: grown.append(self.storage is not None) or grow(self, c))
+    got = {}
+    for mode in ("dynamic", "static"):
+        source = _NextTurns(tok, turns=3)
+        with torch.inference_mode():
+            b = ContinuousBatcher(model, tok, None, GenerationConfig(max_new_tokens=12, decode_mode=mode),
+                                  greedy=True, max_total_length=250, slots=4, device=CPU)
+            for i in range(6):
+                n = int(data["input_lengths"][i])
+                source.queue.append((data["input_ids"][i, :n].tolist(), 0))
+            b.run(source)
+        got[mode] = sorted(source.done)
+    assert len(got["static"]) == 18 and got["static"] == got["dynamic"]
+    assert True in grown  # the kept buffers were outgrown by a later turn, and replaced
+    static_decode._DECODERS.pop(model, None)
+
+
 def test_sampled_logprobs_match_a_teacher_forced_pass(tiny):
     tok, model, data = tiny
     torch.manual_seed(0)

@@ -218,7 +218,7 @@ def test_the_serve_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, c
     build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256, seed=0,
                      save_dir=tmp_path)
     cmd = [sys.executable, "-m", "nemo_like.serve", "--model", str(tmp_path), "--port", "0", "--api-key", "sk-test",
-           "--served-model-name", "mine"]
+           "--served-model-name", "mine", "--decode-mode", "static"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
