@@ -83,8 +83,8 @@ class StaticDecoder:
         self.steps = 0
         self.shapes: set[tuple[int, int]] = set()  # (rows, columns) stepped so far
         if mode in _COMPILE_MODE:
-            # One trace per bucket and buffer size: more than dynamo's default limit of 8 on a
-            # 256-slot engine, and past the limit it would quietly run eagerly.
+            # A new shape recompiles once with dynamic sizes, but new buffers (a grown cache: static
+            # addresses) are traced anew; past dynamo's default limit of 8 it would quietly run eagerly.
             import torch._dynamo
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
