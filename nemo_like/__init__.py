@@ -16,9 +16,12 @@ if os.environ.get("NEMO_LIKE_STACKS_ON_SIGUSR1") == "1":
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if _stacks_dir := os.environ.get("NEMO_LIKE_STACKS_DIR"):
-        try:
-            open(os.path.join(_stacks_dir, str(os.getpid())), "w").close()
+    if os.environ.get("NEMO_LIKE_STACKS_DIR"):
+        from nemo_like._proc import process_start_time
+
+        try:  # the pid, and the start time that tells this process from a later one with its pid
+            with open(os.path.join(os.environ["NEMO_LIKE_STACKS_DIR"], str(os.getpid())), "w") as f:
+                f.write(process_start_time() or "")
         except OSError:  # the folder is gone (its cluster stopped): nobody will ask
             pass
 __all__ = ["GRPOExperiment", "__version__"]

@@ -86,8 +86,9 @@ class StallWatchConfig(_Strict):
     """A run that stops making progress prints every process's stacks and stops with one line naming
     what it waited for (nemo_like/distributed/stall.py)."""
 
-    # A step (or a validation, a checkpoint save) running past this multiple of the median of those
-    # before it is a stall. null: only first_s applies.
+    # A step (its checkpoint save included) or a validation running past this multiple of the median
+    # of those before it is a stall, unless what it waits for has a time limit of its own still ahead
+    # (an environment call's step_timeout_s). null: only first_s applies.
     factor: float | None = Field(20.0, gt=1)
     # ...and past at least this many seconds (a 1-second step's 20x would trip on a busy machine).
     min_s: float = Field(300.0, gt=0)

@@ -120,7 +120,7 @@ class GRPOTrainer:
             for t, e in task_envs.items() if is_agent_env(e)}, env_names=task_envs)
         self.collapse_watch = CollapseWatch(self.config.grpo.stop_on_collapse)
         self.stall_watch = StallWatch(**self.config.grpo.stall_watch.model_dump()).start()
-        self._resources.insert(0, self.stall_watch.close)  # closed last: closing workers can hang too
+        self._resources.insert(0, self.stall_watch.close)
         self.generator = self.generator if self.generator is not None else self.policy
         self.ppo = PPOStage(self.config, self.critic)
         self.distill = DistillStage(self.config.teacher, self.teacher)

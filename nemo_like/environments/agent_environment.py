@@ -142,6 +142,7 @@ class AgentEnvironment(EnvironmentInterface):
                     queue.put_nowait((idx[j], {"reward": None, "metrics": {}, "timed_out": False, "error": why}))
             finally:
                 queue.put_nowait(None)
+        await _until_up(helpers)
         tasks = [asyncio.create_task(pump(parts[0], self._stream_here(*share(parts[0]))))]
         tasks += [asyncio.create_task(pump(idx, remote(h, idx))) for h, idx in zip(helpers, parts[1:])]
         running = len(tasks)
@@ -242,6 +243,25 @@ class AgentEnvironment(EnvironmentInterface):
                     "error": f"the program's last output line is not a number or JSON: {lines[-1][:200]!r}"}
         reward, metrics, error = episode_result(value)
         return {"reward": reward, "metrics": metrics, "timed_out": False, "error": error}
+
+
+async def _until_up(actors: list[Any], timeout_s: float = 60.0) -> None:
+    """Wait until each actor answers (one that died is being restarted: the batch after its death must
+    not be sent to it before it is back, or Ray fails the calls). One that does not come back within
+    ``timeout_s`` is left to fail its share."""
+    import ray
+
+    async def one(actor: Any) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await actor.__ray_ready__.remote()
+                return
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(0.2)
+    await asyncio.gather(*(one(a) for a in actors))
 
 
 def _kill_group(pid: int) -> None:

@@ -89,18 +89,21 @@ class PendingRewards:
         metrics: dict[str, float] = {}
         for task, fut in self.futures.items():
             idx = self.by_task[task]
-            try:
-                left = None if self.deadlines[task] is None else max(0.0, self.deadlines[task] - time.monotonic())
-                with stall.waiting_for(lambda task=task: f"the environment of task {task!r} in 'step'"):
+            # A call with a time limit ends by itself (and its actor's restart within START_TIMEOUT_S):
+            # not a stall before then (grpo.stall_watch).
+            ends = None if self.deadlines[task] is None else self.deadlines[task] + START_TIMEOUT_S
+            with stall.waiting_for(lambda task=task: f"the environment of task {task!r} in 'step'", ends):
+                try:
+                    left = None if self.deadlines[task] is None else max(0.0, self.deadlines[task] - time.monotonic())
                     ret: EnvironmentReturn = ray.get(fut, timeout=left)
-            except ray.exceptions.GetTimeoutError:
-                _restart(self.envs[task], fut)
-                rets, m, err = call_failed(task, len(idx), f"step timed out after {self.step_timeouts[task]:g} s; "
-                                           "actor restarted", "step_timeouts")
-            except Exception as e:  # a crashed grader must not end the run
-                rets, m, err = call_failed(task, len(idx), first_line_of_error(e), "step_errors")
-            else:
-                rets, m, err = split_return(task, ret, len(idx))
+                except ray.exceptions.GetTimeoutError:
+                    _restart(self.envs[task], fut)
+                    rets, m, err = call_failed(task, len(idx), f"step timed out after {self.step_timeouts[task]:g} "
+                                               "s; actor restarted", "step_timeouts")
+                except Exception as e:  # a crashed grader must not end the run
+                    rets, m, err = call_failed(task, len(idx), first_line_of_error(e), "step_errors")
+                else:
+                    rets, m, err = split_return(task, ret, len(idx))
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v
             for j, i in enumerate(idx):

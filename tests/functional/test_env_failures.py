@@ -17,6 +17,8 @@ from nemo_like.environments import registry
 from nemo_like.environments.interfaces import EnvironmentInterface
 from nemo_like.environments.math_environment import MathEnvConfig, MathEnvironment
 from nemo_like.environments.supervision import EnvironmentStartError
+from nemo_like.models.policy.backends import POLICY_BACKENDS, register_policy_backend
+from nemo_like.models.policy.hf_worker import HFPolicyWorker
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
@@ -149,41 +151,44 @@ def test_run_whose_grading_keeps_failing_exits_1_naming_the_task_and_error(ray_s
     assert steps[0]["train/env/math/step_errors"] == 8.0
 
 
-class HangsAtTheFourthStep(MathEnvironment):
-    """Grades like the math environment until its fourth call, which never returns."""
 
-    calls = 0
+class TrainHangsAtTheThirdStep(HFPolicyWorker):
+    """The HF worker, except that its third training call never returns (as a rank stuck in a
+    collective would)."""
 
-    def step(self, message_log_batch, metadata):
-        type(self).calls += 1
-        if type(self).calls == 4:
+    trained = 0
+
+    def train(self, *args, **kwargs):
+        type(self).trained += 1
+        if type(self).trained == 3:
             time.sleep(3600)
-        return super().step(message_log_batch, metadata)
+        return super().train(*args, **kwargs)
 
 
 def test_a_run_that_stops_making_progress_prints_stacks_and_exits_5_naming_its_wait(
         ray_session, tmp_path, model_dir, own_registry, capfd):
-    """A grader that hangs with no step time limit (env_step_timeout_s far off): the stall watch trips
-    at 3 x the median step (at least 3 s), the driver's stacks are printed and the run ends with one
-    line naming the wait, exit code 5; nothing stays running."""
+    """A policy worker that hangs in its third update: the stall watch trips at 3 x the median step (at
+    least 3 s), the stacks are printed, and the run ends with one line
+    naming the rank and method it waited for, exit code 5; nothing stays running."""
     from nemo_like.cli import run_cli, run_grpo
 
-    registry.register_env("math", HangsAtTheFourthStep, overwrite=True)
     before = _live_actors()
     t0 = time.monotonic()
-    code = run_cli(_overrides(tmp_path, f"policy.model_name={model_dir}", "grpo.max_num_steps=10",
-                              "grpo.env_step_timeout_s=3000", "grpo.stall_watch.factor=3",
-                              "grpo.stall_watch.min_s=3", "grpo.stall_watch.after=2"), str(CONFIG), run_grpo)
+    with POLICY_BACKENDS.isolated():
+        register_policy_backend("hangs", TrainHangsAtTheThirdStep)
+        code = run_cli(_overrides(tmp_path, f"policy.model_name={model_dir}", "grpo.max_num_steps=10",
+                                  "policy.backend=hangs", "grpo.stall_watch.factor=3", "grpo.stall_watch.min_s=3",
+                                  "grpo.stall_watch.after=2"), str(CONFIG), run_grpo)
     err = capfd.readouterr().err
     assert code == 5, err[-3000:]
     assert time.monotonic() - t0 < 120
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: stalled: step 4 ran past "), errors
-    assert "waiting for the environment of task 'math' in 'step'" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith("error: stalled: step 3 ran past "), errors
+    assert "waiting for policy rank 0 (TrainHangsAtTheThirdStep policy-0-" in errors[0] and "in 'train'" in errors[0]
     assert errors[0].endswith("resume from the start: checkpointing is off")
-    assert "step 4 has run" in err and "in collect" in err  # the driver's stack shows the wait
+    assert "step 3 has run" in err and "--- driver thread MainThread" in err and "in get_all_worker_results" in err
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
     deadline = time.monotonic() + 20
     while _live_actors() > before and time.monotonic() < deadline:
         time.sleep(0.2)

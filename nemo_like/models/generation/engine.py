@@ -435,7 +435,7 @@ class ContinuousBatcher:
         s.valid[:n, L] = True
         s.sync_layers()
         if self.static is not None:
-            logits = self.static.step(s, n)
+            logits = self.static.step(self.model, s, n)
         else:
             logits = self._forward(s.cache, s.last[:n, None], s.pos[:n, None], s.valid[:n, : L + 1])
         s.length = L + 1

@@ -11,6 +11,8 @@ than there are, the buffers grow.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -43,6 +45,7 @@ class _SlotLayer:
         return self.keys_buf[: self.n, :, :end], self.values_buf[: self.n, :, :end]
 
 
+@functools.cache  # one class: a compiled step's guards check the layers' type
 def _slot_layer_class():
     from transformers.cache_utils import DynamicLayer
 
@@ -76,7 +79,7 @@ class Slots:
             self.cache = storage.cache_for([layer.keys for layer in prefill_cache.layers], rows, columns, self)
             rows, columns = self.cache.layers[0].keys_buf.shape[0], self.cache.layers[0].keys_buf.shape[2]
         else:
-            self.cache = slot_cache(model, [(_buffer(pl.keys, rows, columns), _buffer(pl.values, rows, columns))
+            self.cache = slot_cache(model.config, [(_buffer(pl.keys, rows, columns), _buffer(pl.values, rows, columns))
                                             for pl in prefill_cache.layers])
         self.columns = columns
         self.valid = torch.zeros((rows, columns), dtype=torch.bool, device=device)
@@ -92,6 +95,8 @@ class Slots:
     def admit(self, req, last, pos, mask: torch.Tensor, keys: list, values: list) -> None:
         """Rows n.. get these prompts' caches ([k, heads, width, dim] each, mask [k, width]) in the
         `width` columns that end at the current column."""
+        if self.storage is not None and self.n == 0:
+            self._reacquire()
         k, width = mask.shape
         self.length = max(self.length, width)  # the other rows' extra columns stay invalid
         rows, cols = slice(self.n, self.n + k), slice(self.length - width, self.length)
@@ -102,6 +107,20 @@ class Slots:
         self.valid[rows, cols] = mask
         self.req[rows], self.last[rows], self.pos[rows] = req, last, pos
         self.n += k
+
+    def _reacquire(self) -> None:
+        """Empty again: take the storage's kept cache back (another engine on the model may have used it
+        while this one was idle), or the one it hands out now."""
+        cache = self.storage.cache_for([layer.keys_buf for layer in self.cache.layers], self.valid.shape[0],
+                                       self.columns, self)
+        if cache is self.cache:
+            return
+        self.cache, buf = cache, cache.layers[0].keys_buf
+        rows, self.columns = buf.shape[0], buf.shape[2]
+        dev = self.valid.device
+        self.valid = torch.zeros((rows, self.columns), dtype=torch.bool, device=dev)
+        self.pos, self.req, self.last = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(3))
+        self.length = 0
 
     def drop(self, done: torch.Tensor) -> None:
         """Remove the rows where `done` [n] is set, moving the last live rows into their places."""
@@ -167,12 +186,13 @@ class Slots:
         self.length = width
 
 
-def slot_cache(model, buffers: list[tuple[torch.Tensor, torch.Tensor]]):
-    """A `DynamicCache` whose layers write into ``buffers`` (per layer: keys, values [rows, heads, columns, dim])."""
+def slot_cache(config, buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A `DynamicCache` (of a model with ``config``) whose layers write into ``buffers`` (per layer: keys,
+    values [rows, heads, columns, dim])."""
     from transformers import DynamicCache
 
     layer_cls = _slot_layer_class()
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=config)
     cache.layers = [layer_cls(k, v) for k, v in buffers]
     return cache
 

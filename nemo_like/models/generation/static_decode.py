@@ -72,7 +72,9 @@ class StaticDecoder:
             raise ValueError(f"policy.generation.decode_mode={mode!r} needs attention that takes a 4-D mask "
                              f"({', '.join(MASK_IMPLS)}); the model's is {impl!r}: load it with "
                              "attn_implementation='sdpa' or set decode_mode: dynamic")
-        self.model, self.mode, self.impl = model, mode, impl
+        # No reference to the model itself: the decoders are kept per model in a WeakKeyDictionary,
+        # whose values must not keep their keys alive. Each step is handed the model.
+        self.config, self.mode, self.impl = model.config, mode, impl
         self.dtype = next(model.parameters()).dtype
         fwd = inspect.signature(model.forward).parameters
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in fwd else {}
@@ -98,7 +100,10 @@ class StaticDecoder:
         no other engine on this model is using them, else new ones as large as both, kept from then on
         (training and validation batches of different sizes share one set, and one set of traces)."""
         columns = -(-columns // COLUMN_STEP) * COLUMN_STEP
-        kept, busy = self._buffers, self._owner is not None and self._owner() not in (None, owner)
+        holder = self._owner() if self._owner is not None else None
+        # Busy: another engine holds rows in them now (an idle one takes them back when it admits again).
+        busy = holder is not None and holder is not owner and holder.n > 0
+        kept = self._buffers
         same = kept is not None and len(kept) == len(likes) and all(
             (k.shape[1], k.shape[3], k.dtype, k.device) == (x.shape[1], x.shape[3], x.dtype, x.device)
             for (k, _), x in zip(kept, likes))
@@ -108,7 +113,7 @@ class StaticDecoder:
                 return self._cache
             rows, columns = max(rows, kept[0][0].shape[0]), max(columns, kept[0][0].shape[2])
         buffers = [tuple(x.new_zeros((rows, x.shape[1], columns, x.shape[3])) for _ in range(2)) for x in likes]
-        cache = slot_cache(self.model, buffers)
+        cache = slot_cache(self.config, buffers)
         if busy:  # a second engine at once (rare): its own buffers, not kept
             return cache
         if self.mode in _COMPILE_MODE:  # CUDA graphs write into these in place: their addresses must not move
@@ -118,9 +123,9 @@ class StaticDecoder:
         self._buffers, self._cache, self._owner = buffers, cache, weakref.ref(owner)
         return cache
 
-    def step(self, s, n: int) -> torch.Tensor:
-        """One decode step of the first ``n`` rows of ``s`` (a `slots.Slots` whose column ``s.length`` is
-        marked valid for them): their next-token logits [n, V]."""
+    def step(self, model, s, n: int) -> torch.Tensor:
+        """One decode step of ``model`` over the first ``n`` rows of ``s`` (a `slots.Slots` whose column
+        ``s.length`` is marked valid for them): their next-token logits [n, V]."""
         L, C = s.length, s.columns
         B = bucket(n, row_buckets(s.valid.shape[0]))  # the buffers' rows: the same buckets on every call
         if self._write_at is None or self._write_at.device != s.valid.device:
@@ -131,22 +136,23 @@ class StaticDecoder:
         for layer in s.cache.layers:
             layer.write_at = self._write_at
         mask = s.valid[:B, :C].clone()
-        mask[:, L] = True  # the padding rows' only column
+        mask[n:] = False
+        mask[:, L] = True  # the padding rows' only column: no all-masked softmax
         if self.mode == "graphs":  # a new iteration: the last replay's outputs (cloned) may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         self.steps += 1
         self.shapes.add((B, C))
         try:
-            logits = self._fn(s.cache, s.last[:B, None].clone(), s.pos[:B, None].clone(), mask[:, None, None])
+            logits = self._fn(model, s.cache, s.last[:B, None].clone(), s.pos[:B, None].clone(), mask[:, None, None])
         finally:
             for layer in s.cache.layers:
                 layer.write_at = None
         return logits[:n].clone()  # a CUDA graph's output is overwritten by its next replay
 
-    def _forward(self, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, model, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.impl == "eager":  # HF's eager attention adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(self.dtype).min)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, **self._keep)
         return out.logits[:, -1]

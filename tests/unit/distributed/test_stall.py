@@ -69,8 +69,69 @@ def test_a_driver_blocked_outside_worker_waits_is_interrupted_with_one_line(capf
                           "least min_s 0.4 s) waiting for ") and "\n" not in msg
     assert "waiting for nothing a worker group was asked" in msg
     err = capfd.readouterr().err
-    assert "step 3 has run" in err and "most recent call first" in err  # the driver's threads' stacks
+    assert "step 3 has run" in err and "--- driver thread MainThread" in err  # the driver's threads' stacks
+    assert "in test_a_driver_blocked_outside_worker_waits" in err
     assert stall.active() is None
+
+
+def test_a_wait_with_a_deadline_of_its_own_is_not_a_stall_before_it(capfd):
+    w = _watch().start()
+    try:
+        for i in range(2):
+            with w.phase("step", f"step {i + 1}"):
+                time.sleep(0.05)
+        with w.phase("step", "step 3"), stall.waiting_for(lambda: "a grader", time.monotonic() + 1.2):
+            threading.Event().wait(1.0)  # past the 0.4 s limit, within the wait's own deadline
+        assert "has run" not in capfd.readouterr().err
+        with pytest.raises(StalledError, match="waiting for a grader"), w.phase("step", "step 4"), \
+                stall.waiting_for(lambda: "a grader", time.monotonic() + 0.6):
+            threading.Event().wait(30)  # past its deadline too: a stall
+    finally:
+        w.close()
+
+
+def test_only_the_stalled_phases_thread_is_stopped():
+    """An async producer thread's waits poll check() too: they must not swallow the stop."""
+    w = _watch(grace_s=0.5).start()
+    other: list = []
+
+    def producer():
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                stall.check()
+            except StalledError as e:
+                other.append(e)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=producer)
+    try:
+        for i in range(2):
+            with w.phase("step", f"step {i + 1}"):
+                time.sleep(0.05)
+        t.start()
+        with pytest.raises(StalledError), w.phase("step", "step 3"):
+            threading.Event().wait(30)
+    finally:
+        t.join()
+        w.close()
+    assert other == []
+
+
+def test_a_pid_file_of_another_process_gets_no_signal(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        monkeypatch.setattr(stall, "_stacks_dir", str(tmp_path))
+        (tmp_path / str(child.pid)).write_text("12345")  # a start time that is not this child's
+        assert stall._stack_pids() == []
+        (tmp_path / str(child.pid)).write_text(stall.process_start_time(child.pid))
+        assert stall._stack_pids() == [child.pid]
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_slow_phase_that_ends_within_the_grace_goes_on_and_the_watch_stays_armed(capfd):
@@ -119,7 +180,7 @@ def test_a_stalled_worker_group_wait_names_the_rank_and_every_worker_prints_its_
                 break
             time.sleep(0.2)
         assert dumped == set(pids)
-        assert "Thread" in capfd.readouterr().err  # and the driver its own
+        assert "--- driver thread MainThread" in capfd.readouterr().err  # and the driver its own
     finally:
         w.close()
         g.shutdown()

@@ -55,13 +55,17 @@ def test_fixed_shape_decode_steps_equal_generate_on_cuda(model_dir, mode):
         return hf_generate(model, tok, data, cfg, greedy=True, max_total_length=40, micro_batch_size=4,
                            synced=False, device=torch.device("cuda"))
 
+    from torch._dynamo.utils import counters
+
     ref = run("generate")
+    skips = counters["inductor"]["cudagraph_skips"]
     for _ in range(2):
         out = run("continuous", mode)
         assert torch.equal(out["output_ids"], ref["output_ids"])
         assert torch.equal(out["generation_lengths"], ref["generation_lengths"])
         torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-3, rtol=0)
     assert static_decoder(model, mode).steps >= 14
+    assert counters["inductor"]["cudagraph_skips"] == skips  # replayed as CUDA graphs, not quietly eager
 
 
 def test_training_step_and_refit_on_one_gpu(ray_session, model_dir):

@@ -214,23 +214,70 @@ def test_eager_attention_takes_the_mask_and_others_are_refused(tiny, tmp_path):
         GenerationConfig(decode_mode="cuda")
 
 
-def test_a_second_engine_at_once_gets_buffers_of_its_own(tiny):
+def test_a_second_engine_decoding_at_once_gets_buffers_of_its_own(tiny):
     tok, model, _ = tiny
     d = StaticDecoder(model, "static")
     like = [torch.zeros(1, 2, 3, 16)] * 2
 
-    class Owner:
-        pass
+    class Owner:  # a Slots as the decoder sees it: how many rows it decodes now
+        n = 0
 
     a, b = Owner(), Owner()
     first = d.cache_for(like, 4, 10, a)
     assert first.layers[0].keys_buf.shape == (4, 2, static_decode.COLUMN_STEP, 16)
-    other = d.cache_for(like, 4, 10, b)  # a is still using the kept buffers
+    a.n = 3
+    other = d.cache_for(like, 4, 10, b)  # a is decoding in the kept buffers
     assert other is not first and other.layers[0].keys_buf.data_ptr() != first.layers[0].keys_buf.data_ptr()
+    a.n = 0
+    assert d.cache_for(like, 2, 10, b) is first  # a is idle: lent to b (large enough)
     del a
-    assert d.cache_for(like, 2, 10, b) is first  # free again, and large enough
     bigger = d.cache_for(like, 8, 10, b)
     assert bigger is not first and bigger.layers[0].keys_buf.shape[0] == 8
+
+
+def test_an_idle_engine_lends_its_kept_cache_and_takes_it_back(tiny):
+    """A server's batcher stays alive between requests; a generate call meanwhile uses the model's kept
+    buffers (not new ones a compiled step would retrace for), and the idle batcher, admitting again,
+    takes them back; both decode as the dynamic step does."""
+    from nemo_like.models.generation.engine import ContinuousBatcher
+
+    tok, model, data = tiny
+    static_decode._DECODERS.pop(model, None)
+    cfg = GenerationConfig(max_new_tokens=12, decode_mode="static")
+
+    def ask(b, i):
+        n = int(data["input_lengths"][i])
+        [r] = b.add(data["input_ids"][i:i + 1, :n], torch.tensor([n]), [None])
+        b.run()
+        return b.result(r)[0].tolist()
+
+    with torch.inference_mode():
+        idle = ContinuousBatcher(model, tok, None, cfg, greedy=True, max_total_length=200, slots=8, device=CPU)
+        first = ask(idle, 0)
+        kept = static_decoder(model, "static")._buffers
+        out = _gen(model, tok, data, "static", slots=8)
+        assert static_decoder(model, "static")._buffers is kept  # lent, not a second set
+        again = ask(idle, 3)
+        assert idle.slots_state.cache.layers[0].keys_buf is kept[0][0]
+    ref = _gen(model, tok, data, "dynamic", slots=8)
+    _assert_same(ref, out)
+    n0, n3 = int(data["input_lengths"][0]), int(data["input_lengths"][3])
+    assert first == ref["output_ids"][0, n0:n0 + len(first)].tolist()
+    assert again == ref["output_ids"][3, n3:n3 + len(again)].tolist()
+
+
+def test_the_decoders_do_not_keep_their_models_alive(tmp_path):
+    import gc
+    import weakref
+
+    tok = build_char_tokenizer(tmp_path)
+    model = _model(tok, seed=2)
+    _gen(model, tok, chat_prompts(tok, TEXTS[:2], 2), "static")
+    assert static_decode._DECODERS.get(model) is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_compiled_steps_equal_eager_ones_and_keep_their_traces_across_calls(tmp_path):
