@@ -59,10 +59,12 @@ def static_decoder(model, mode: str) -> StaticDecoder | None:
         return None
     if mode not in DECODE_MODES:
         raise ValueError(f"policy.generation.decode_mode={mode!r}: expected one of {', '.join(DECODE_MODES)}")
-    d = _DECODERS.get(model)
-    if d is None or d.mode != mode:
-        d = _DECODERS[model] = StaticDecoder(model, mode)
-    return d
+    # Per model and mode: an engine of another mode on the same model (a benchmark's interleaved runs)
+    # must not throw away this mode's buffers, and with them its compiled traces.
+    by_mode = _DECODERS.setdefault(model, {})
+    if mode not in by_mode:
+        by_mode[mode] = StaticDecoder(model, mode)
+    return by_mode[mode]
 
 
 class StaticDecoder:
