@@ -25,3 +25,13 @@ def chat_prompts(tok, texts: list[str], G: int = 1) -> BatchedDataDict:
     rendered = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                 for t in texts]
     return tokenized(tok, rendered).repeat_interleave(G)
+
+
+def assert_same_generation(ref: BatchedDataDict, out: BatchedDataDict) -> None:
+    """Two generations of the same prompts agree: tokens, lengths and truncation exactly, log-probs
+    to float tolerance."""
+    assert torch.equal(ref["output_ids"], out["output_ids"])
+    assert torch.equal(ref["generation_lengths"], out["generation_lengths"])
+    assert torch.equal(ref["unpadded_sequence_lengths"], out["unpadded_sequence_lengths"])
+    assert torch.equal(ref["truncated"], out["truncated"])
+    torch.testing.assert_close(ref["logprobs"], out["logprobs"], atol=1e-4, rtol=0)

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from _nl_model_test_helpers import chat_prompts
+from _nl_model_test_helpers import assert_same_generation, chat_prompts
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation.engine import ContinuousBatcher, continuous_generate, unsupported_reason
@@ -55,14 +55,6 @@ def _run(model, tok, data, engine: str, *, greedy=True, max_total=None, slots=5,
                        synced=False, device=CPU)
 
 
-def _assert_same(ref, out):
-    assert torch.equal(ref["output_ids"], out["output_ids"])
-    assert torch.equal(ref["generation_lengths"], out["generation_lengths"])
-    assert torch.equal(ref["unpadded_sequence_lengths"], out["unpadded_sequence_lengths"])
-    assert torch.equal(ref["truncated"], out["truncated"])
-    assert torch.allclose(ref["logprobs"], out["logprobs"], atol=1e-4)
-
-
 def _with_eos(tok, model, data):
     """A copy of the tokenizer whose EOS is a token the greedy rows emit a few tokens in, at different
     steps (a random model almost never emits the real one)."""
@@ -82,7 +74,7 @@ def test_greedy_equals_generate_with_ragged_budgets_early_eos_and_slot_reuse(tin
     max_total = int(data["input_lengths"].max()) + 12
     ref = _run(model, eos_tok, data, "generate", max_total=max_total)
     out = _run(model, eos_tok, data, "continuous", max_total=max_total, slots=5)  # 24 prompts, 5 slots
-    _assert_same(ref, out)
+    assert_same_generation(ref, out)
     lens = out["generation_lengths"]
     assert len(set(lens.tolist())) > 2 and bool((~out["truncated"]).any()) and bool(out["truncated"].any())
     budgets = (max_total - data["input_lengths"]).clamp(max=20)
@@ -99,7 +91,7 @@ def test_greedy_equals_generate_for_any_slot_count(tiny, slots, monkeypatch):
     compactions = []
     compact = Slots.compact
     monkeypatch.setattr(Slots, "compact", lambda self: compactions.append(1) or compact(self))
-    _assert_same(_run(model, eos_tok, data, "generate"), _run(model, eos_tok, data, "continuous", slots=slots))
+    assert_same_generation(_run(model, eos_tok, data, "generate"), _run(model, eos_tok, data, "continuous", slots=slots))
     if slots == 4:  # refills kept the columns growing until they were packed
         assert compactions
 
@@ -115,7 +107,7 @@ def test_stop_strings_per_sample(tiny):
     data_all = BatchedDataDict(dict(data) | {"stop_strings": [[stop, "zzzz"]] * len(n)})
     ref = _run(model, tok, data_all, "generate")
     out = _run(model, tok, data_all, "continuous")
-    _assert_same(ref, out)
+    assert_same_generation(ref, out)
     assert bool((~out["truncated"]).any())
     # Stop strings are per sample: those given none run on as without any (HF applies the union).
     some = [[stop] if i % 2 else None for i in range(len(n))]
@@ -158,7 +150,7 @@ def test_budget_of_one_token(tiny):
     data = _prompts(tok, G=2)
     max_total = int(data["input_lengths"].max()) + 1  # the longest prompts may add just one token
     out = _run(model, tok, data, "continuous", max_total=max_total)
-    _assert_same(_run(model, tok, data, "generate", max_total=max_total), out)
+    assert_same_generation(_run(model, tok, data, "generate", max_total=max_total), out)
     assert 1 in out["generation_lengths"].tolist()
 
 
@@ -186,7 +178,7 @@ def test_synced_ranks_use_generate(tiny, monkeypatch):
                       device=CPU)
     assert calls == [True, True] and out["output_ids"].shape[0] == len(data["input_lengths"])
     ref = continuous_generate(model, tok, data, cfg, greedy=True, max_total_length=80, slots=4, device=CPU)
-    _assert_same(out, ref)
+    assert_same_generation(out, ref)
 
 
 def test_unsupported_models_are_named():
@@ -217,7 +209,7 @@ def test_other_decoder_architectures(tiny, arch):
     model = model.float().eval()
     assert unsupported_reason(model) is None
     data = _prompts(tok, G=2)
-    _assert_same(_run(model, tok, data, "generate", max_total=60), _run(model, tok, data, "continuous", max_total=60))
+    assert_same_generation(_run(model, tok, data, "generate", max_total=60), _run(model, tok, data, "continuous", max_total=60))
 
 
 def test_requests_added_one_at_a_time_grow_their_buffers_by_doubling(tiny):

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from _nl_model_test_helpers import chat_prompts
+from _nl_model_test_helpers import assert_same_generation, chat_prompts
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.generation import static_decode
@@ -62,13 +62,6 @@ def _gen(model, tok, data, mode, *, slots=5, greedy=True, max_total=None, cache=
                                device=CPU, prefix_cache=cache)
 
 
-def _assert_same(ref, out):
-    assert torch.equal(ref["output_ids"], out["output_ids"])
-    assert torch.equal(ref["generation_lengths"], out["generation_lengths"])
-    assert torch.equal(ref["truncated"], out["truncated"])
-    torch.testing.assert_close(ref["logprobs"], out["logprobs"], atol=1e-4, rtol=0)
-
-
 def test_buckets_are_powers_of_two_up_to_the_slots():
     assert row_buckets(1) == [1] and row_buckets(5) == [1, 2, 4, 5] and row_buckets(8) == [1, 2, 4, 8]
     assert row_buckets(256)[-2:] == [128, 256] and len(row_buckets(256)) == 9
@@ -80,7 +73,7 @@ def test_static_steps_give_the_dynamic_steps_tokens(tiny, slots):
     tok, model, data = tiny
     ref = _gen(model, tok, data, "dynamic", slots=slots)
     out = _gen(model, tok, data, "static", slots=slots)
-    _assert_same(ref, out)
+    assert_same_generation(ref, out)
     assert bool((~out["truncated"]).any()) and bool(out["truncated"].any())  # some ended by EOS, some did not
     d = static_decoder(model, "static")
     B = d._buffers[0][0].shape[0]
@@ -97,12 +90,12 @@ def test_compaction_and_growth_of_a_kept_cache(tiny, monkeypatch):
     compact = Slots.compact
     monkeypatch.setattr(Slots, "compact", lambda self: packed.append(1) or compact(self))
     ragged = int(data["input_lengths"].max()) + 12  # budgets differ by prompt: rows end at different steps
-    _assert_same(_gen(model, tok, data, "dynamic", slots=4, max_total=ragged),
+    assert_same_generation(_gen(model, tok, data, "dynamic", slots=4, max_total=ragged),
                  _gen(model, tok, data, "static", slots=4, max_total=ragged))
     assert packed
     long = chat_prompts(tok, [t * 6 for t in TEXTS[:4]], 2)
     before = static_decoder(model, "static")._buffers[0][0].shape[2]
-    _assert_same(_gen(model, tok, long, "dynamic", slots=3, max_total=200),
+    assert_same_generation(_gen(model, tok, long, "dynamic", slots=3, max_total=200),
                  _gen(model, tok, long, "static", slots=3, max_total=200))
     assert static_decoder(model, "static")._buffers[0][0].shape[2] > before
     static_decode._DECODERS.pop(model, None)
@@ -114,7 +107,7 @@ def test_stop_strings_and_cached_prefixes(tiny):
     plain = _gen(model, tok, data, "dynamic")
     stop = tok.decode(plain["output_ids"][4, int(n[4]) + 5: int(n[4]) + 7].tolist())
     stopped = BatchedDataDict(dict(data) | {"stop_strings": [[stop] if i % 2 else None for i in range(len(n))]})
-    _assert_same(_gen(model, tok, stopped, "dynamic"), _gen(model, tok, stopped, "static"))
+    assert_same_generation(_gen(model, tok, stopped, "dynamic"), _gen(model, tok, stopped, "static"))
     # Next turns prefilled on top of the first turns' KV, decoded in fixed shapes.
     first = chat_prompts(tok, TEXTS[:6], 1)
     cache = PrefixCache(max_tokens=10_000)
@@ -127,7 +120,7 @@ def test_stop_strings_and_cached_prefixes(tiny):
                           input_lengths=torch.tensor([len(r) for r in rows]))
     got = _gen(model, tok, nxt, "static", cache=cache, max_total=200)
     assert cache.hits == 6
-    _assert_same(_gen(model, tok, nxt, "dynamic", max_total=200), got)
+    assert_same_generation(_gen(model, tok, nxt, "dynamic", max_total=200), got)
 
 
 class _NextTurns:
@@ -204,7 +197,7 @@ def test_eager_attention_takes_the_mask_and_others_are_refused(tiny, tmp_path):
     tok, model, data = tiny
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
-    _assert_same(_gen(model, tok, data, "dynamic"), _gen(eager, tok, data, "static"))
+    assert_same_generation(_gen(model, tok, data, "dynamic"), _gen(eager, tok, data, "static"))
     other = copy.deepcopy(model)
     other.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="decode_mode='static' needs attention that takes a 4-D mask.*"
@@ -260,7 +253,7 @@ def test_an_idle_engine_lends_its_kept_cache_and_takes_it_back(tiny):
         again = ask(idle, 3)
         assert idle.slots_state.cache.layers[0].keys_buf is kept[0][0]
     ref = _gen(model, tok, data, "dynamic", slots=8)
-    _assert_same(ref, out)
+    assert_same_generation(ref, out)
     n0, n3 = int(data["input_lengths"][0]), int(data["input_lengths"][3])
     assert first == ref["output_ids"][0, n0:n0 + len(first)].tolist()
     assert again == ref["output_ids"][3, n3:n3 + len(again)].tolist()
@@ -292,11 +285,11 @@ def test_compiled_steps_equal_eager_ones_and_keep_their_traces_across_calls(tmp_
     data = chat_prompts(tok, TEXTS[:4], 2)
     ref = _gen(model, tok, data, "static", slots=8)
     before = counters["stats"]["unique_graphs"]
-    _assert_same(ref, _gen(model, tok, data, "compiled", slots=8))
+    assert_same_generation(ref, _gen(model, tok, data, "compiled", slots=8))
     _gen(model, tok, chat_prompts(tok, TEXTS[:3], 1), "compiled", slots=3)
     torch.manual_seed(0)
     _gen(model, tok, data, "compiled", slots=8, greedy=False)
-    _assert_same(ref, _gen(model, tok, data, "compiled", slots=8))
+    assert_same_generation(ref, _gen(model, tok, data, "compiled", slots=8))
     assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
     d = static_decoder(model, "compiled")
     assert d.steps > 40 and len(d.shapes) >= 2
