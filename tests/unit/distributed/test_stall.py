@@ -29,6 +29,13 @@ def _watch(**kw) -> StallWatch:
     return StallWatch(**({"factor": 3.0, "min_s": 0.4, "after": 2, "poll_s": 0.05, "grace_s": 0.3} | kw))
 
 
+def _two_quick_steps(w: StallWatch) -> None:
+    """Steps 1 and 2 of 0.05 s: the median the next step is held to (at least min_s)."""
+    for i in range(2):
+        with w.phase("step", f"step {i + 1}"):
+            time.sleep(0.05)
+
+
 def test_limits_follow_the_median_of_the_phases_before():
     w = _watch(first_s=5.0)
     assert w.limit("step") == 5.0  # the first phases: first_s
@@ -55,9 +62,7 @@ def test_a_nested_phase_is_timed_apart_from_the_one_it_is_in():
 def test_a_driver_blocked_outside_worker_waits_is_interrupted_with_one_line(capfd):
     w = _watch().start()
     try:
-        for i in range(2):
-            with w.phase("step", f"step {i + 1}"):
-                time.sleep(0.05)
+        _two_quick_steps(w)
         t0 = time.monotonic()
         with pytest.raises(StalledError) as e, w.phase("step", "step 3"):
             threading.Event().wait(30)  # blocked in a lock, not in a worker-group wait
@@ -77,9 +82,7 @@ def test_a_driver_blocked_outside_worker_waits_is_interrupted_with_one_line(capf
 def test_a_wait_with_a_deadline_of_its_own_is_not_a_stall_before_it(capfd):
     w = _watch().start()
     try:
-        for i in range(2):
-            with w.phase("step", f"step {i + 1}"):
-                time.sleep(0.05)
+        _two_quick_steps(w)
         with w.phase("step", "step 3"), stall.waiting_for(lambda: "a grader", time.monotonic() + 1.2):
             threading.Event().wait(1.0)  # past the 0.4 s limit, within the wait's own deadline
         assert "has run" not in capfd.readouterr().err
@@ -106,9 +109,7 @@ def test_only_the_stalled_phases_thread_is_stopped():
 
     t = threading.Thread(target=producer)
     try:
-        for i in range(2):
-            with w.phase("step", f"step {i + 1}"):
-                time.sleep(0.05)
+        _two_quick_steps(w)
         t.start()
         with pytest.raises(StalledError), w.phase("step", "step 3"):
             threading.Event().wait(30)
@@ -137,9 +138,7 @@ def test_a_pid_file_of_another_process_gets_no_signal(tmp_path, monkeypatch):
 def test_a_slow_phase_that_ends_within_the_grace_goes_on_and_the_watch_stays_armed(capfd):
     w = _watch(grace_s=2.0).start()
     try:
-        for i in range(2):
-            with w.phase("step", f"step {i + 1}"):
-                time.sleep(0.05)
+        _two_quick_steps(w)
         with w.phase("step", "step 3"):
             threading.Event().wait(0.9)  # past the 0.4 s limit, done before the interrupt
         assert w.tripped is None
