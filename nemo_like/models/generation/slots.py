@@ -145,11 +145,12 @@ class Slots:
             old = self.cache
             self.cache = self.storage.cache_for([layer.keys_buf for layer in old.layers], self.valid.shape[0],
                                                 columns, self)
-            columns = self.cache.layers[0].keys_buf.shape[2]
-            for o, n in zip(old.layers, self.cache.layers):
-                n.keys_buf[:, :, :L], n.values_buf[:, :, :L] = o.keys_buf[:, :, :L], o.values_buf[:, :, :L]
+            rows, columns = self.cache.layers[0].keys_buf.shape[0], self.cache.layers[0].keys_buf.shape[2]
+            for o, n in zip(old.layers, self.cache.layers):  # the kept buffers may have more rows than these
+                R = o.keys_buf.shape[0]
+                n.keys_buf[:R, :, :L], n.values_buf[:R, :, :L] = o.keys_buf[:, :, :L], o.values_buf[:, :, :L]
             old.layers = []
-            self._grow_valid(columns)
+            self._grow_valid(rows, columns)
             return
         for layer in self.cache.layers:
             for name in ("keys_buf", "values_buf"):
@@ -157,13 +158,17 @@ class Slots:
                 new = old.new_zeros((old.shape[0], old.shape[1], columns, old.shape[3]))
                 new[:, :, :L] = old[:, :, :L]
                 setattr(layer, name, new)
-        self._grow_valid(columns)
+        self._grow_valid(self.valid.shape[0], columns)
 
-    def _grow_valid(self, columns: int) -> None:
-        L = self.length
-        valid = self.valid.new_zeros((self.valid.shape[0], columns))
-        valid[:, :L] = self.valid[:, :L]
+    def _grow_valid(self, rows: int, columns: int) -> None:
+        L, R = self.length, self.valid.shape[0]
+        valid = self.valid.new_zeros((rows, columns))
+        valid[:R, :L] = self.valid[:, :L]
         self.valid, self.columns = valid, columns
+        for name in ("pos", "req", "last") if rows != R else ():
+            grown = getattr(self, name).new_zeros(rows)
+            grown[:R] = getattr(self, name)
+            setattr(self, name, grown)
 
     def compact(self) -> None:
         """Pack each row's real tokens into the first columns (when the columns run out: the buffer

@@ -259,6 +259,29 @@ def test_an_idle_engine_lends_its_kept_cache_and_takes_it_back(tiny):
     assert again == ref["output_ids"][3, n3:n3 + len(again)].tolist()
 
 
+def test_a_private_cache_grows_into_the_larger_kept_one(tiny):
+    """An engine that got buffers of its own (another was decoding in the kept ones) and outgrows them
+    once that one is idle: it moves into new kept buffers with more rows than its own, tokens and all."""
+    from types import SimpleNamespace
+
+    _, model, _ = tiny
+    d = StaticDecoder(model, "static")
+    prefill = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 2, 3, 16)) for _ in range(2)])
+    big = Slots(model, 8, 10, prefill, CPU, storage=d)
+    big.n = 2  # decoding
+    small = Slots(model, 2, 10, prefill, CPU, storage=d)
+    assert small.cache is not big.cache and small.valid.shape == (2, static_decode.COLUMN_STEP)
+    small.cache.layers[1].values_buf[:, :, :3] = 7.0
+    small.valid[:, :3], small.pos[:], small.length, small.n = True, torch.tensor([3, 2]), 3, 2
+    big.n = 0  # idle now
+    small.grow(static_decode.COLUMN_STEP + 1)
+    buf = small.cache.layers[1].values_buf
+    assert buf.shape == (8, 2, 2 * static_decode.COLUMN_STEP, 16) and d._buffers[1][1] is buf
+    assert bool((buf[:2, :, :3] == 7).all()) and small.valid.shape == (8, 2 * static_decode.COLUMN_STEP)
+    assert bool(small.valid[:2, :3].all()) and not bool(small.valid[2:].any())
+    assert small.pos.tolist() == [3, 2, 0, 0, 0, 0, 0, 0] and small.req.shape == small.last.shape == (8,)
+
+
 def test_the_decoders_do_not_keep_their_models_alive(tmp_path):
     import gc
     import weakref
