@@ -81,10 +81,12 @@ def dead_worker(e: BaseException) -> str | None:
             name_m = re.search(r"\bname: ([\w.-]+)", text)
             node_m = re.search(r"its node has died\. Node Id: (\w+)", text)
             cls, name, node = (cls_m and cls_m.group(1)), (name_m and name_m.group(1)), (node_m and node_m.group(1))
-            known = started_worker(getattr(e, "actor_id", None))
+            actor_id = getattr(e, "actor_id", None)
+            known = started_worker(actor_id)
             if known is not None and not cls:  # an error that carries only the actor id (ActorUnavailableError)
                 cls, name = known.class_name, name or known.name
-                node = node or (known.node_id if known.node_id and not _node_alive(known.node_id) else None)
+            if known is not None and not node and known.node_id:
+                node = _lost_node(actor_id, known.node_id)
             who = (f"a {cls}" + ("" if cls.endswith("Worker") else " actor")) if cls else "a worker process"
             # A worker group names its actors <prefix>-<rank>-<group id>; the prefix says the role.
             role = _ROLE_OF_PREFIX.get(name.split("-")[0]) if name else None
@@ -92,6 +94,31 @@ def dead_worker(e: BaseException) -> str | None:
                     + (f" died with its node {node[:8]}" if node else " died"))
         e = e.__cause__ or e.__context__
     return None
+
+
+def _lost_node(actor_id: str, node_id: str, wait_s: float = 45.0) -> str | None:
+    """``node_id`` when the actor died with its node, else None. The owner often hears of the death
+    before Ray's control store does: a killed raylet takes its workers down at once, but the node is
+    declared dead only after missed health checks (about 15 s). So wait until the store has a verdict:
+    the actor DEAD on a live node (a crash or a kill: within a second) or the node dead."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if not _node_alive(node_id):
+            return node_id
+        try:
+            state = ray._private.state.actors(actor_id=actor_id) or {}
+        except Exception:  # noqa: BLE001 - no verdict to be had: say nothing about the node
+            return None
+        if state.get("State") == "DEAD":
+            m = re.search(r"node has died\. Node Id: (\w+)", str(state.get("DeathCause", "")))
+            return m.group(1) if m else (None if _node_alive(node_id) else node_id)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.25)
 
 
 def _node_alive(node_id: str) -> bool:

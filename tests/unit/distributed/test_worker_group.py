@@ -1,6 +1,7 @@
 """RayWorkerGroup on a real local Ray cluster with 2 CPU workers talking gloo."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from nemo_like.cli import dead_worker
 from nemo_like.distributed import (
     BatchedDataDict,
     RayVirtualCluster,
@@ -172,8 +174,13 @@ def test_dead_worker_reported_and_shutdown_frees_everything(ray_env, group, tmp_
     cluster = RayVirtualCluster(2, cpus_per_worker=0.5)
     g = RayWorkerGroup(cluster, DistWorker, "second", marker_dir=str(tmp_path))
     assert g.get_all_worker_results(g.run_all_workers_single_data("all_reduce", 0.0)) == [(0, 2, 10.0), (1, 2, 10.0)]
-    with pytest.raises(RuntimeError, match=r"^worker rank 1 died in 'die': \w*(ActorDied|RayActor)Error"):
+    with pytest.raises(RuntimeError, match=r"^worker rank 1 died in 'die': \w*(ActorDied|RayActor)Error") as died:
         g.get_all_worker_results(g.run_all_workers_single_data("die"))
+    # The CLI's one line: a worker that died on a live node is named without a node, and at once (Ray's
+    # verdict on the actor comes within a second; only a lost node is waited for).
+    t0 = time.monotonic()
+    assert re.fullmatch(r"a DistWorker \(worker-1-\w+\) died", dead_worker(died.value))
+    assert time.monotonic() - t0 < 10
     workers, pg = g.workers, cluster.placement_group
     g.shutdown(timeout=5)
     g.shutdown()  # idempotent
