@@ -189,6 +189,11 @@ class MasterConfig(UserImports):
     @model_validator(mode="after")
     def _consistent_batches(self) -> MasterConfig:
         g, p = self.grpo, self.policy
+        if g.num_generations_per_prompt == 1 and (self.teacher is None or self.teacher.reward_weight != 0):
+            raise ValueError(
+                "grpo.num_generations_per_prompt=1: advantages compare the samples of a prompt's group, and a group "
+                "of one has nothing to compare; use 2 or more (1 suits only distillation without rewards: a "
+                "teacher section with teacher.reward_weight=0)")
         per_step = g.num_prompts_per_step * g.num_generations_per_prompt
         gbs = p.train_global_batch_size
         if gbs % g.num_generations_per_prompt:

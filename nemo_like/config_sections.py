@@ -122,8 +122,9 @@ class GRPOConfig(BaseModel):
 
     # Prompts drawn from the train data per GRPO step.
     num_prompts_per_step: int = Field(16, gt=0)
-    # Completions sampled per prompt (G, one group): advantages compare the samples of a group.
-    num_generations_per_prompt: int = Field(8, gt=1)
+    # Completions sampled per prompt (G, one group): advantages compare the samples of a group. 1 only
+    # for distillation without rewards (teacher.reward_weight=0): the teacher's signal needs no group.
+    num_generations_per_prompt: int = Field(8, ge=1)
     # GRPO steps to train (a resumed run continues up to it); 0: validation only. A step's
     # num_prompts_per_step x num_generations_per_prompt samples make one or more optimizer steps.
     max_num_steps: int = Field(100, ge=0)

@@ -150,9 +150,12 @@ class DistillStage:
                    "distill/teacher_logprob_mean": float((teacher * mask).sum() / n),
                    "distill/student_logprob_mean": float((student * mask).sum() / n)}
         env = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(gap)
+        # Without rewards the estimator's output is left out, not multiplied by 0: a group of one
+        # (grpo.num_generations_per_prompt=1) may give it no finite value to weigh.
+        rewarded = self.cfg.reward_weight * env * mask if self.cfg.reward_weight else torch.zeros_like(gap)
         if self.cfg.objective == "topk":
-            return self.cfg.reward_weight * env * mask, metrics
-        return self.cfg.reward_weight * env * mask + self.cfg.kl_coef * gap, metrics
+            return rewarded, metrics
+        return rewarded + self.cfg.kl_coef * gap, metrics
 
 
 def teacher_policy_config(policy: Any, teacher: TeacherConfig) -> Any:

@@ -34,9 +34,11 @@ def _cfg(tmp_path, base_model_cache, *extra: str):
 def test_the_student_as_its_own_teacher_agrees_token_for_token(ray_session, tmp_path, base_model_cache):
     # Everything at once, from the notebook API: async rollouts (a rollout worker samples; the teacher
     # scores at training time), LoRA on the student (its adapter starts at zero: the base model),
-    # packed passes and the top-k objective.
+    # packed passes, the top-k objective, and one sample a prompt (the teacher's signal needs no group:
+    # without rewards a lone sample's group advantage is left out).
     base = ensure_base_model(_cfg(tmp_path, base_model_cache))
     exp = GRPOExperiment(_cfg(tmp_path, base_model_cache, "grpo.max_num_steps=2", f"teacher.model_name={base}",
+                              "grpo.num_prompts_per_step=16", "grpo.num_generations_per_prompt=1",
                               "teacher.objective=topk", "teacher.topk_k=4", "policy.sequence_packing.enabled=true",
                               "policy.lora.enabled=true", "policy.lora.target_modules=all-linear",
                               "grpo.async_rollouts.enabled=true", "policy.generation.colocated=false",
@@ -54,6 +56,7 @@ def test_the_student_as_its_own_teacher_agrees_token_for_token(ray_session, tmp_
     # A student that is its teacher has nothing to learn (its KL is at its minimum, the rewards weigh 0):
     # its adapter stays at zero, and the second step agrees as the first did.
     assert abs(second["train/distill_topk_kl"]) < 1e-4 and abs(second["distill/reverse_kl"]) < 1e-4
+    assert first["train/loss"] == pytest.approx(0.0, abs=1e-4) and second["train/loss"] == pytest.approx(0.0, abs=1e-4)
 
 
 def test_a_teacher_on_its_own_pool_pulls_the_student_towards_it(ray_session, tmp_path, base_model_cache, capsys):

@@ -143,3 +143,20 @@ def test_config_refuses_a_missing_teacher_and_a_run_that_trains_nothing(tmp_path
         load_config(CONFIG, ["teacher.model_name=some/hub-id", "teacher.objective=forward"])
     cfg = load_config(CONFIG, ["teacher.model_name=some/hub-id", "grpo.dynamic_sampling.enabled=false"])
     assert cfg.run_roles()["teacher"] and cfg.teacher.objective == "reverse_kl"
+    # One sample a prompt: only for distillation without rewards (a group of one has no advantage).
+    one = ["grpo.num_prompts_per_step=128", "grpo.num_generations_per_prompt=1", "grpo.dynamic_sampling.enabled=false"]
+    with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt=1: .*teacher.reward_weight=0"):
+        load_config(CONFIG, one)
+    with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt=1"):
+        load_config(CONFIG, [*one, "teacher.model_name=some/hub-id", "teacher.reward_weight=0.5"])
+    with pytest.raises(ConfigError, match="grpo.num_generations_per_prompt"):
+        load_config(CONFIG, ["grpo.num_generations_per_prompt=0"])
+    assert load_config(CONFIG, [*one, "teacher.model_name=some/hub-id"]).grpo.num_generations_per_prompt == 1
+
+
+def test_without_rewards_a_non_finite_group_advantage_is_left_out():
+    data = {"token_mask": torch.tensor([[0, 1, 1]]), "sample_mask": torch.tensor([1.0]),
+            "generation_logprobs": torch.tensor([[0.0, -1.0, -2.0]])}
+    stage = DistillStage(TeacherConfig(model_name="t", reward_weight=0.0), _Teacher(torch.tensor([[0.0, -0.5, -2.5]])))
+    adv, _ = stage.apply(data, torch.tensor([float("nan")]))
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, -0.5]]))
