@@ -15,10 +15,10 @@ Per work, two arms from the same student (the recipe's base model), each in its 
    held-out accuracy is the teacher's accuracy.
 2. **Distillation**: the same recipe and student with ``teacher.model_name`` that model (the top-k
    objective as examples/configs/distill_math_tiny.yaml has it: the forward KL over the teacher's 16
-   most likely tokens and the rest as one bucket; one sample a prompt, as many prompts a step as the
-   recipe's global batch; ``--distill teacher.objective=reverse_kl`` for the
+   most likely tokens and the rest as one bucket; the batches of ``DISTILL_ARM``: fewer samples a
+   prompt than GRPO's group; ``--distill teacher.objective=reverse_kl`` for the
    per-token reverse KL; ``teacher.reward_weight=0``: the rewards are graded and logged, never trained on),
-   validated as often, stopped once it is within 2 points of the teacher or after ``--distill-steps``.
+   validated as often (SmolLM2: every 5 steps), stopped once it is within 2 points of the teacher or after ``--distill-steps``.
 
 Time is training time: the sum of the steps' ``timing/total`` (generation, grading, log-probs, the
 teacher's pass, the update; validation left out), as benchmarks/compare_estimators.py counts it.
@@ -42,6 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKS = {"tiny": ROOT / "examples" / "configs" / "grpo_math_tiny.yaml",
          "smollm2": ROOT / "examples" / "configs" / "grpo_smollm2_cpu.yaml"}
 MARGIN = 0.02
+# The distillation arm's batches, the fastest measured (docs/performance.md). The teacher's signal needs
+# no group of samples to compare: on the tiny work one sample a prompt and a global batch of distinct
+# prompts a step; SmolLM2's prompts are long against its completions, so two samples share each one's
+# computation (packing computes a shared prompt once), with half the recipe's batch and a larger step.
+DISTILL_ARM = {"tiny": ["grpo.num_prompts_per_step=128", "grpo.num_generations_per_prompt=1"],
+               "smollm2": ["grpo.num_prompts_per_step=16", "grpo.num_generations_per_prompt=2",
+                           "policy.train_global_batch_size=32", "policy.optimizer.lr=3e-5", "grpo.val_period=5"]}
 
 
 def read_curve(metrics: Path) -> dict[str, Any]:
@@ -108,12 +115,6 @@ def _arm(name: str, config: Path, overrides: list[str], work: Path, *, stop_at: 
     return read_curve(d / "logs" / "metrics.jsonl") | {"wall_s": time.perf_counter() - t0}
 
 
-def _global_batch(config: Path, overrides: list[str]) -> int:
-    from nemo_like.config import load_config
-
-    return load_config(str(config), overrides).policy.train_global_batch_size
-
-
 def run_work(work_name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     config = WORKS[work_name]
     common = [f"grpo.val_period={args.val_period}", f"grpo.max_val_samples={args.val_samples}", *args.overrides]
@@ -134,10 +135,7 @@ def run_work(work_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
         "grpo.dynamic_sampling.enabled=false",  # (refused with reward_weight 0: it drops groups that carry signal)
         # The teacher computes while the policy's workers wait: the same cores, one more Ray slot each.
         "cluster.num_cpus=4", "cluster.teacher.cpus_per_worker=2", "teacher.objective=topk", "teacher.topk_k=16",
-        # One sample a prompt, a global batch of prompts a step: the teacher's signal needs no group to
-        # compare, and distinct prompts cover more of the task than repeats of the same ones.
-        f"grpo.num_prompts_per_step={_global_batch(config, common)}", "grpo.num_generations_per_prompt=1",
-        *args.distill], work, stop_at=target)
+        *DISTILL_ARM[work_name], *args.distill], work, stop_at=target)
     out = {"teacher_accuracy": teacher_acc, "target": target, "methods": {}}
     for name, c in (("grpo", grpo), ("distillation", distill)):
         hit = first_reaching(c, target)
