@@ -422,6 +422,15 @@ class SFTBootstrapConfig(_Strict):
     lr_decay: Literal["constant", "cosine"] = "constant"
     # Batches of similar length (HF Trainer's group_by_length): mixed tasks then pad far less.
     group_by_length: bool = False
+    # Stop once the held-out loss (per-token NLL of the assistant's tokens of holdout_rows rows kept out
+    # of training, checked every val_every steps) is at or below this; num_steps is then the most it
+    # runs. None: num_steps steps. A base meant to leave RL room to learn sits on the steep part of its
+    # curve, where the step that reaches it moves with rounding; a held-out loss is a steadier mark.
+    stop_at_val_loss: float | None = Field(None, gt=0)
+    # Rows of the supervised data kept out of training for that loss (only with stop_at_val_loss).
+    holdout_rows: int = Field(256, gt=0)
+    # Optimizer steps between two checks of the held-out loss (and one after the last step).
+    val_every: int = Field(25, gt=0)
 
 
 class BootstrapConfig(_Strict):

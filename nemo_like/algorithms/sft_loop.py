@@ -33,7 +33,7 @@ def sft_steps(policy: Any, batches: Iterable[tuple[int, list[Any]]], *, pad_id: 
     """One optimizer step per (step, datums) of ``batches``: the step's metrics are the policy's
     (``loss`` the global per-token NLL, ``grad_norm``, ``lr``, ...) plus ``num_tokens`` (assistant tokens
     trained) and ``seconds``; ``after_step(step, metrics)`` runs after each (logging, validation,
-    checkpoints). Returns each step's metrics with its ``step``."""
+    checkpoints; what it adds to ``metrics`` is kept). Returns each step's metrics with its ``step``."""
     loss_fn = NLLLossFn()
     history = []
     for step, datums in progress_bar(batches, desc=desc, unit="step", total=total):
@@ -42,24 +42,42 @@ def sft_steps(policy: Any, batches: Iterable[tuple[int, list[Any]]], *, pad_id: 
         metrics = policy.train(data, loss_fn, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
         metrics = dict(metrics) | {"seconds": time.perf_counter() - t0,
                                    "num_tokens": float((data["token_mask"] * data["sample_mask"][:, None]).sum())}
-        history.append({"step": step} | metrics)
         if after_step is not None:
-            after_step(step, metrics)
+            after_step(step, metrics)  # may add to the step's metrics (the held-out loss)
+        history.append({"step": step} | metrics)
     return history
 
 
 def sft_train(policy: Any, dataset: Any, *, num_steps: int, batch_size: int, micro_batch_size: int | None = None,
               pad_id: int, seed: int = 0, log_fn: Callable[[dict, int], None] | None = None,
-              desc: str = "SFT", group_by_length: bool = False) -> list[dict[str, float]]:
+              desc: str = "SFT", group_by_length: bool = False, holdout: BatchedDataDict | None = None,
+              stop_at_val_loss: float | None = None, val_every: int = 25) -> list[dict[str, float]]:
     """The bootstrap's run: ``num_steps`` steps of :func:`sft_steps` on batches drawn with an
     :class:`EpochSampler` (``dataset[i]`` a DatumSpec whose message_log ends with the assistant answer).
 
     ``group_by_length``: draw 8 batches at once, sort them by length and serve them in random
-    order, so a batch pads to its own (similar) lengths; costs some randomness of batch make-up."""
+    order, so a batch pads to its own (similar) lengths; costs some randomness of batch make-up.
+    ``holdout`` (an :func:`sft_batch` of rows not in ``dataset``): its loss is computed every
+    ``val_every`` steps (``val/loss`` in that step's metrics) and the run stops after the first at or
+    below ``stop_at_val_loss``."""
     batches = _batches(dataset, EpochSampler(len(dataset), seed=seed), batch_size, group_by_length, random.Random(seed))
-    numbered = ((step, next(batches)) for step in range(1, num_steps + 1))
-    return sft_steps(policy, numbered, pad_id=pad_id, global_batch_size=batch_size, micro_batch_size=micro_batch_size,
-                     after_step=(lambda step, m: log_fn(m, step)) if log_fn else None, desc=desc, total=num_steps)
+    reached = False
+
+    def numbered() -> Iterator[tuple[int, list[Any]]]:
+        for step in range(1, num_steps + 1):
+            if reached:
+                return
+            yield step, next(batches)
+
+    def after(step: int, metrics: dict[str, float]) -> None:
+        nonlocal reached
+        if holdout is not None and (step % val_every == 0 or step == num_steps):
+            metrics.update(validation_loss(policy, holdout))
+            reached = stop_at_val_loss is not None and metrics["val/loss"] <= stop_at_val_loss
+        if log_fn is not None:
+            log_fn(metrics, step)
+    return sft_steps(policy, numbered(), pad_id=pad_id, global_batch_size=batch_size, micro_batch_size=micro_batch_size,
+                     after_step=after, desc=desc, total=num_steps)
 
 
 def _batches(dataset: Any, sampler: EpochSampler, batch_size: int, group_by_length: bool,

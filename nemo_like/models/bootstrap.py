@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ def bootstrap_cache_path(cfg: MasterConfig) -> Path:
 
 # SFT settings added after caches existed: left out of the key while at their default, so those
 # caches stay valid.
-_LATE_SFT_DEFAULTS = {"group_by_length": False, "lr_decay": "constant"}
+_LATE_SFT_DEFAULTS = {"group_by_length": False, "lr_decay": "constant", "stop_at_val_loss": None,
+                      "holdout_rows": 256, "val_every": 25}
 
 
 def _sft_key(sft: Any) -> dict:
@@ -74,6 +76,51 @@ def ensure_base_model(cfg: MasterConfig) -> str:
         return _build_base_model(cfg, cluster, out)
     finally:
         cluster.shutdown()
+
+
+class _Rows:
+    """Some rows of a dataset, by index (the training rows when a holdout is kept out)."""
+
+    def __init__(self, dataset: Any, idx: list[int]):
+        self.dataset, self.idx = dataset, idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[self.idx[i]]
+
+
+def _split_holdout(dataset: Any, s: Any, seed: int, pad_id: int) -> tuple[Any, Any]:
+    """(training rows, held-out batch or None): with ``stop_at_val_loss``, ``holdout_rows`` rows drawn
+    with the seed are kept out of training for the held-out loss."""
+    from nemo_like.algorithms.sft_loop import sft_batch
+
+    if s.stop_at_val_loss is None:
+        return dataset, None
+    if s.holdout_rows >= len(dataset):
+        raise ValueError(f"bootstrap.sft.holdout_rows={s.holdout_rows} leaves nothing to train on: the "
+                         f"bootstrap's data has {len(dataset)} rows")
+    order = list(range(len(dataset)))
+    random.Random(seed).shuffle(order)
+    kept = sorted(order[:s.holdout_rows])
+    return _Rows(dataset, sorted(order[s.holdout_rows:])), sft_batch([dataset[i] for i in kept], pad_id)
+
+
+def _report_stop(history: list[dict], s: Any, out: Path) -> None:
+    """Says where the run stopped and keeps it with the model (``bootstrap.json``)."""
+    checks = [h for h in history if "val/loss" in h]
+    last = checks[-1]
+    reached = last["val/loss"] <= s.stop_at_val_loss
+    info = {"steps": last["step"], "val_loss": last["val/loss"], "stop_at_val_loss": s.stop_at_val_loss,
+            "reached": reached, "val_losses": {int(h["step"]): round(h["val/loss"], 4) for h in checks}}
+    (out / "bootstrap.json").write_text(json.dumps(info, indent=1) + "\n")
+    if reached:
+        print(f"[nemo_like] bootstrap SFT stopped at step {last['step']}: held-out loss {last['val/loss']:.4f} "
+              f"<= bootstrap.sft.stop_at_val_loss={s.stop_at_val_loss}")
+    else:
+        print(f"[nemo_like] bootstrap SFT ran its {last['step']} steps (bootstrap.sft.num_steps) without the held-out "
+              f"loss reaching bootstrap.sft.stop_at_val_loss={s.stop_at_val_loss}: {last['val/loss']:.4f}")
 
 
 def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
@@ -117,14 +164,18 @@ def _build_base_model(cfg: MasterConfig, cluster: Any, out: Path) -> str:
         "lora": LoraConfig(),
         "scheduler": SchedulerConfig(warmup_steps=s.warmup_steps, decay=s.lr_decay if s.num_steps > s.warmup_steps else "constant",
                                      total_steps=s.num_steps or None)})
+    train, holdout = _split_holdout(dataset, s, b.seed, tok.pad_token_id)
     policy = Policy(cluster, policy_cfg, seed=b.seed, init_reference_model=False, name_prefix="sft")
     try:
-        sft_train(policy, dataset, num_steps=s.num_steps, batch_size=s.batch_size,
-                  micro_batch_size=policy_cfg.train_micro_batch_size, pad_id=tok.pad_token_id, seed=b.seed,
-                  desc="bootstrap SFT", group_by_length=s.group_by_length)
+        history = sft_train(policy, train, num_steps=s.num_steps, batch_size=s.batch_size,
+                            micro_batch_size=policy_cfg.train_micro_batch_size, pad_id=tok.pad_token_id, seed=b.seed,
+                            desc="bootstrap SFT", group_by_length=s.group_by_length, holdout=holdout,
+                            stop_at_val_loss=s.stop_at_val_loss, val_every=s.val_every)
         policy.save_checkpoint(str(tmp))
     finally:
         policy.shutdown()
+    if holdout is not None:
+        _report_stop(history, s, tmp)
     # Optimizer and RNG state belong to the SFT run, not to the base model.
     for f in list(tmp.glob("optimizer.pt")) + list(tmp.glob("rng_rank*.pt")):
         f.unlink()
