@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.config import MasterConfig
+from nemo_like.data.errors import DataError
 
 # Bump when the recipe below changes so stale caches are not reused.
 _RECIPE_VERSION = 1
@@ -99,8 +100,8 @@ def _split_holdout(dataset: Any, s: Any, seed: int, pad_id: int) -> tuple[Any, A
     if s.stop_at_val_loss is None:
         return dataset, None
     if s.holdout_rows >= len(dataset):
-        raise ValueError(f"bootstrap.sft.holdout_rows={s.holdout_rows} leaves nothing to train on: the "
-                         f"bootstrap's data has {len(dataset)} rows")
+        raise DataError(f"bootstrap.sft.holdout_rows={s.holdout_rows} leaves nothing to train on: the "
+                        f"bootstrap's data has {len(dataset)} rows")
     order = list(range(len(dataset)))
     random.Random(seed).shuffle(order)
     kept = sorted(order[:s.holdout_rows])
@@ -110,6 +111,8 @@ def _split_holdout(dataset: Any, s: Any, seed: int, pad_id: int) -> tuple[Any, A
 def _report_stop(history: list[dict], s: Any, out: Path) -> None:
     """Says where the run stopped and keeps it with the model (``bootstrap.json``)."""
     checks = [h for h in history if "val/loss" in h]
+    if not checks:  # num_steps 0: nothing trained, nothing checked
+        return
     last = checks[-1]
     reached = last["val/loss"] <= s.stop_at_val_loss
     info = {"steps": last["step"], "val_loss": last["val/loss"], "stop_at_val_loss": s.stop_at_val_loss,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nemo_like.config import load_config
+from nemo_like.data.errors import DataError
 from nemo_like.models.bootstrap import _split_holdout, bootstrap_cache_path, ensure_base_model
 
 CONFIG = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_math_tiny.yaml"
@@ -40,7 +41,7 @@ def test_the_holdout_is_drawn_by_seed_and_kept_out_of_training():
     assert set(_split_holdout(data, s, seed=1, pad_id=0)[1]["input_ids"][:, 0].tolist()) != kept
     # Without a mark to stop at, every row trains (and the base model is the one built before).
     assert _split_holdout(data, SimpleNamespace(stop_at_val_loss=None, holdout_rows=8), 0, 0) == (data, None)
-    with pytest.raises(ValueError, match="bootstrap.sft.holdout_rows=50 leaves nothing to train on"):
+    with pytest.raises(DataError, match="bootstrap.sft.holdout_rows=50 leaves nothing to train on"):
         _split_holdout(data, SimpleNamespace(stop_at_val_loss=0.5, holdout_rows=50), 0, 0)
 
 
