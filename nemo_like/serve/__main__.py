@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[nemo_like] api key: {handle.api_key}", flush=True)
     try:
         while True:
-            time.sleep(3600)
+            # Short sleeps: Ctrl-C taken by another thread (the engine's, the server's) reaches Python's
+            # handler only when the main thread next runs, which one long sleep put off for an hour.
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("[nemo_like] stopping", flush=True)
     finally:
