@@ -113,6 +113,8 @@ def _lost_node(actor_id: str, node_id: str, wait_s: float = 45.0) -> str | None:
             state = ray._private.state.actors(actor_id=actor_id) or {}
         except Exception:  # noqa: BLE001 - no verdict to be had: say nothing about the node
             return None
+        if not state:  # an actor the store never knew (it keeps the dead ones): no verdict will come
+            return None
         if state.get("State") == "DEAD":
             m = re.search(r"node has died\. Node Id: (\w+)", str(state.get("DeathCause", "")))
             return m.group(1) if m else (None if _node_alive(node_id) else node_id)

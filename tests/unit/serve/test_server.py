@@ -211,6 +211,7 @@ def test_a_reply_sampled_in_pieces_is_never_retokenized(tmp_path):
 
 def test_the_serve_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, capsys):
     import re
+    import signal
     import subprocess
     import sys
 
@@ -219,7 +220,14 @@ def test_the_serve_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, c
                      save_dir=tmp_path)
     cmd = [sys.executable, "-m", "nemo_like.serve", "--model", str(tmp_path), "--port", "0", "--api-key", "sk-test",
            "--served-model-name", "mine", "--decode-mode", "static"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts background jobs with Ctrl-C ignored, and a child inherits
+    # that (CI run in the background: the server ignored it, as a `nohup ... &` server should). A handler
+    # is not inherited: the child gets Python's own.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         line = proc.stdout.readline()
         url = re.search(r"at (http://127\.0\.0\.1:\d+/v1) \(context 256 tokens\)", line).group(1)
