@@ -79,22 +79,11 @@ def ensure_base_model(cfg: MasterConfig) -> str:
         cluster.shutdown()
 
 
-class _Rows:
-    """Some rows of a dataset, by index (the training rows when a holdout is kept out)."""
-
-    def __init__(self, dataset: Any, idx: list[int]):
-        self.dataset, self.idx = dataset, idx
-
-    def __len__(self) -> int:
-        return len(self.idx)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.dataset[self.idx[i]]
-
-
 def _split_holdout(dataset: Any, s: Any, seed: int, pad_id: int) -> tuple[Any, Any]:
     """(training rows, held-out batch or None): with ``stop_at_val_loss``, ``holdout_rows`` rows drawn
     with the seed are kept out of training for the held-out loss."""
+    from torch.utils.data import Subset
+
     from nemo_like.algorithms.sft_loop import sft_batch
 
     if s.stop_at_val_loss is None:
@@ -105,7 +94,7 @@ def _split_holdout(dataset: Any, s: Any, seed: int, pad_id: int) -> tuple[Any, A
     order = list(range(len(dataset)))
     random.Random(seed).shuffle(order)
     kept = sorted(order[:s.holdout_rows])
-    return _Rows(dataset, sorted(order[s.holdout_rows:])), sft_batch([dataset[i] for i in kept], pad_id)
+    return Subset(dataset, sorted(order[s.holdout_rows:])), sft_batch([dataset[i] for i in kept], pad_id)
 
 
 def _report_stop(history: list[dict], s: Any, out: Path) -> None:
