@@ -40,17 +40,31 @@ from nemo_like.models.policy.packing import (
     plan_microbatches,
 )
 from nemo_like.models.policy.refit_source import RefitSourceMixin
+from nemo_like.models.policy.selected_logits import can_select, try_selected
 from nemo_like.models.policy.weight_export import read_safetensors_folder
 from nemo_like.models.worker_base import TrainingWorkerBase, local_tensor, make_optimizer
 from nemo_like.utils.perf import device_peak_flops, peak_memory_gb, training_flops_per_token
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                   topk: int | torch.Tensor | None = None):
+                   topk: int | torch.Tensor | None = None, need: torch.Tensor | None = None):
     """logprobs[:, t] = log p(input_ids[:, t] | < t); position 0 has no prediction and is 0.
 
     ``topk`` (distillation): an int k also returns the k most likely tokens' ids and log-probs at
-    every position ([B, T, k] each); a tensor of ids [B, T, k] also returns their log-probs [B, T, k]."""
+    every position ([B, T, k] each); a tensor of ids [B, T, k] also returns their log-probs [B, T, k].
+    ``need`` [B, >= T] (a ``token_mask``): computed only where it is nonzero, 0 elsewhere
+    (``selected_logits``)."""
+    B, W = input_ids.shape
+    if need is not None and can_select(model):
+        need = need[:, :W].to(input_ids.device) != 0
+        need[:, 0] = False
+        if need.any():
+            cols = (torch.arange(W, device=input_ids.device) - 1).clamp(min=0)
+            flat_pos = torch.arange(B, device=input_ids.device)[:, None] * W + cols[None, :]
+            out = try_selected(model, {"input_ids": input_ids, "attention_mask": attention_mask}, flat_pos,
+                               input_ids, need, temperature, topk)
+            if out is not None:
+                return out
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float()
     if temperature != 1.0:
@@ -209,13 +223,15 @@ class HFPolicyWorker(RefitSourceMixin, TrainingWorkerBase):
     # ---- log-probs ----------------------------------------------------------------------------
     def _mb_logprobs(self, mb: MicroBatch, topk: int | torch.Tensor | None = None):
         """[b, w] log-probs of the micro-batch's samples, in ``mb.idx`` order (and top-k parts with
-        ``topk``: ``token_logprobs``)."""
+        ``topk``: ``token_logprobs``); where the batch has a ``token_mask``, only there (0 elsewhere:
+        every loss reads them through it)."""
         temp = self.cfg.generation.temperature
+        need = mb.data["token_mask"] if "token_mask" in mb.data else None
         with self._autocast(self.cfg.precision):
             if mb.packed is not None:
-                return packed_token_logprobs(self.model, mb.packed.to(self.device), temp, topk)
+                return packed_token_logprobs(self.model, mb.packed.to(self.device), temp, topk, need)
             ids = mb.data["input_ids"].to(self.device)
-            return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp, topk)
+            return token_logprobs(self.model, ids, _attention_mask(ids, mb.data["input_lengths"]), temp, topk, need)
 
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:

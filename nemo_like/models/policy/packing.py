@@ -22,6 +22,7 @@ import torch
 
 from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.policy.interfaces import PolicyConfig
+from nemo_like.models.policy.selected_logits import can_select, try_selected
 
 # Attention implementations that honour a custom 4-D mask (HF passes a 4-D mask through untouched).
 MASK_ATTENTION = ("sdpa", "eager")
@@ -307,12 +308,21 @@ def build_packed(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[list
 
 
 def packed_token_logprobs(model, packed: PackedBatch, temperature: float,
-                          topk: int | torch.Tensor | None = None):
+                          topk: int | torch.Tensor | None = None, need: torch.Tensor | None = None):
     """[b, T] log-probs of each sample's tokens (0 at position 0 and past its length), computed from
-    the packed rows in one forward pass. ``topk`` as ``hf_worker.token_logprobs``'s (distillation)."""
+    the packed rows in one forward pass. ``topk`` and ``need`` as ``hf_worker.token_logprobs``'s."""
     impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     dtype = next(model.parameters()).dtype
     mask = packed.attention_mask(impl, dtype)
+    if need is not None and can_select(model):
+        need = (need[:, : packed.width].to(packed.valid.device) != 0) & packed.valid
+        if need.any():
+            flat_pos = packed.src_row * packed.input_ids.shape[1] + packed.src_col
+            out = try_selected(model, {"input_ids": packed.input_ids, "attention_mask": mask,
+                                       "position_ids": packed.position_ids}, flat_pos, packed.targets, need,
+                               temperature, topk)
+            if out is not None:
+                return out
     logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
                    use_cache=False).logits
     logits = logits.float()
