@@ -7,6 +7,8 @@ Two layers:
   ``loss_fn(curr_logprobs, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)``. They
   normalise by the *global* counts so that summing micro-batch losses over all micro-batches and
   workers gives exactly the global-batch loss (gradient accumulation is then a plain sum).
+  ``curr_logprobs`` is computed where ``data["token_mask"]`` is 1 and is 0 elsewhere
+  (``models.policy.selected_logits``): read it through that mask.
 
 The config lives in ``loss_config.py`` and the per-token arithmetic in ``pg_terms.py``.
 """
