@@ -86,11 +86,14 @@ class Policy(PolicyInterface, GenerationInterface):
 
     @staticmethod
     def _logprob_inputs(data: BatchedDataDict) -> BatchedDataDict:
-        # token_mask travels only to mark each sample's prompt, which packing computes once per group.
+        # token_mask travels to mark each sample's prompt (packing computes it once per group) and the
+        # positions whose log-probs are read (the HF worker computes only those).
         return BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths", "token_mask") if k in data})
 
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        """``logprobs`` [B, T] and ``padding_efficiency`` [B] (the worker's real / computed tokens)."""
+        """``logprobs`` [B, T] and ``padding_efficiency`` [B] (the worker's real / computed tokens).
+        With a ``token_mask`` in ``data``, read them through it: the HF worker computes them only where
+        it is 1 (0 elsewhere)."""
         return self._run_sharded("get_logprobs", self._logprob_inputs(data))
 
     def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:

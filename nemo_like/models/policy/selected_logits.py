@@ -3,8 +3,8 @@
 Every loss here reads a sample's log-probs where its ``token_mask`` is 1 (the completion's tokens), yet
 the output layer and the [positions, vocabulary] fp32 tensors after it (log-sum-exp, its gradient)
 were computed at every position, prompts included. With a real vocabulary (SmolLM2: 49,152) and
-prompts longer than the completions that was most of a step on a CPU (docs/performance.md,
-"Log-probs where the loss reads them"). Positions outside the mask get log-prob 0, as position 0
+prompts longer than the completions that was about 40% of a training pass on a CPU
+(docs/performance.md, "Log-probs where the loss reads them"). Positions outside the mask get log-prob 0, as position 0
 always did.
 
 The model still runs its own forward (FSDP's hooks, LoRA, a model's logit scaling or soft-capping
