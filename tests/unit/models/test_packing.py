@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _nl_model_test_helpers import grpo_batch, pg_train_data
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
@@ -48,21 +49,6 @@ def tiny(tmp_path_factory):
     return build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, seed=0).float()
 
 
-def _grpo_batch(vocab: int, groups: int = 3, G: int = 4, prompt: int = 6, T: int = 22, seed: int = 0):
-    """``groups`` prompts x G completions of random lengths; loss on the completion tokens."""
-    g = torch.Generator().manual_seed(seed)
-    B = groups * G
-    ids = torch.randint(0, vocab, (B, T), generator=g)
-    lengths = torch.randint(prompt + 1, T + 1, (B,), generator=g)
-    for k in range(groups):
-        ids[k * G : (k + 1) * G, :prompt] = ids[k * G, :prompt]
-    token_mask = torch.zeros(B, T, dtype=torch.long)
-    for i in range(B):
-        token_mask[i, prompt : lengths[i]] = 1
-        ids[i, lengths[i]:] = 0
-    return ids, lengths, token_mask
-
-
 def _models():
     return [("qwen2-sdpa", _random_lm("qwen2", "sdpa")), ("qwen2-eager", _random_lm("qwen2", "eager")), ("smollm2-shape", _random_lm("smollm2"))]
 
@@ -71,7 +57,7 @@ def _models():
 @pytest.mark.parametrize("row_length,max_tokens", [(30, 30), (48, 96), (200, 200)])
 def test_packed_logprobs_equal_unpadded(share, row_length, max_tokens, tiny):
     for name, model in _models() + [("tiny-char-llama", tiny)]:
-        ids, lengths, tm = _grpo_batch(model.config.vocab_size)
+        ids, lengths, tm = grpo_batch(model.config.vocab_size)
         with torch.no_grad():
             ref = token_logprobs(model, ids, _attention_mask(ids, lengths), 1.0)
             prefix = shared_prefix_lengths(ids, tm, lengths) if share else None
@@ -87,7 +73,7 @@ def test_packed_logprobs_equal_unpadded(share, row_length, max_tokens, tiny):
 
 
 def test_shared_prefix_computes_each_prompt_once():
-    ids, lengths, tm = _grpo_batch(512, groups=2, G=4, prompt=6)
+    ids, lengths, tm = grpo_batch(512, groups=2, G=4, prompt=6)
     plain = build_packed(ids, lengths, plan_rows(ids, lengths, 200))
     shared = build_packed(ids, lengths, plan_rows(ids, lengths, 200, shared_prefix_lengths(ids, tm, lengths)))
     assert plain.tokens_real == int(lengths.sum())
@@ -97,16 +83,9 @@ def test_shared_prefix_computes_each_prompt_once():
 
 def test_packed_loss_and_gradients_equal_unpadded():
     model = _random_lm("qwen2")
-    ids, lengths, tm = _grpo_batch(512, groups=2, G=4)
+    ids, lengths, tm = grpo_batch(512, groups=2, G=4)
     B, T = ids.shape
-    g = torch.Generator().manual_seed(3)
-    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm, sample_mask=torch.ones(B),
-                           advantages=torch.randn(B, generator=g))
-    with torch.no_grad():
-        old = token_logprobs(model, ids, _attention_mask(ids, lengths), 1.0)
-    data["prev_logprobs"] = old + 0.01 * torch.randn(B, T, generator=g)
-    data["generation_logprobs"] = data["prev_logprobs"]
-    data["reference_policy_logprobs"] = old
+    data, _ = pg_train_data(model, ids, lengths, tm)
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
     toks, seqs = float(tm.sum()), float(B)
 
@@ -132,7 +111,7 @@ def test_packed_loss_and_gradients_equal_unpadded():
 
 
 def test_token_budget_microbatches_fit_the_budget_and_cover_the_batch():
-    ids, lengths, tm = _grpo_batch(512, groups=4, G=4, T=30)
+    ids, lengths, tm = grpo_batch(512, groups=4, G=4, T=30)
     data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
     seen = []
     for idx, mb in data.make_token_budget_microbatch_iterator(64):
@@ -146,7 +125,7 @@ def test_token_budget_microbatches_fit_the_budget_and_cover_the_batch():
 
 
 def test_padding_efficiency_rises_with_packing():
-    ids, lengths, tm = _grpo_batch(512, groups=4, G=4, T=40)
+    ids, lengths, tm = grpo_batch(512, groups=4, G=4, T=40)
     data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
     base = dict(model_name="x", max_total_sequence_length=40, train_global_batch_size=16, train_micro_batch_size=16)
 
@@ -171,7 +150,7 @@ def test_padding_efficiency_rises_with_packing():
     {},
 ])
 def test_count_microbatches_is_the_plans_length(cfg):
-    ids, lengths, tm = _grpo_batch(512, groups=4, G=4, T=40)
+    ids, lengths, tm = grpo_batch(512, groups=4, G=4, T=40)
     data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
     pc = PolicyConfig(model_name="x", max_total_sequence_length=40, train_global_batch_size=16,
                       train_micro_batch_size=5, **cfg)
@@ -222,7 +201,7 @@ def test_attention_cost_ratio_reads_the_model_shape(tiny):
 
 
 def test_chosen_rows_give_the_unpadded_logprobs(tiny):
-    ids, lengths, tm = _grpo_batch(tiny.config.vocab_size, groups=4, G=4, T=30)
+    ids, lengths, tm = grpo_batch(tiny.config.vocab_size, groups=4, G=4, T=30)
     data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm)
     cfg = PolicyConfig(model_name="x", max_total_sequence_length=30, train_global_batch_size=16,
                        train_micro_batch_size=16, sequence_packing={"enabled": True, "max_tokens_per_microbatch": 240})

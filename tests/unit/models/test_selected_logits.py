@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _nl_model_test_helpers import grpo_batch, pg_train_data
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-from nemo_like.distributed.batched_data_dict import BatchedDataDict
 from nemo_like.models.policy import PolicyConfig
 from nemo_like.models.policy.hf_worker import _attention_mask, token_logprobs
 from nemo_like.models.policy.packing import packed_token_logprobs, plan_microbatches
@@ -30,25 +30,10 @@ def _gemma2():
                                           final_logit_softcapping=5.0, attn_implementation="eager")).float()
 
 
-def _batch(vocab: int, groups: int = 3, G: int = 4, prompt: int = 9, T: int = 24, seed: int = 0):
-    """``groups`` prompts x G completions of random lengths, the loss on the completions."""
-    g = torch.Generator().manual_seed(seed)
-    B = groups * G
-    ids = torch.randint(0, vocab, (B, T), generator=g)
-    lengths = torch.randint(prompt + 1, T + 1, (B,), generator=g)
-    tm = torch.zeros(B, T, dtype=torch.long)
-    for k in range(groups):
-        ids[k * G : (k + 1) * G, :prompt] = ids[k * G, :prompt]
-    for i in range(B):
-        tm[i, prompt : lengths[i]] = 1
-        ids[i, lengths[i]:] = 0
-    return ids, lengths, tm
-
-
 @pytest.mark.parametrize("make", [_llama, _gemma2])
 def test_unpacked_selected_logprobs_equal_the_full_ones_where_needed_and_zero_elsewhere(make):
     model = make()
-    ids, lengths, tm = _batch(model.config.vocab_size)
+    ids, lengths, tm = grpo_batch(model.config.vocab_size, prompt=9, T=24)
     mask = _attention_mask(ids, lengths)
     with torch.no_grad():
         full = token_logprobs(model, ids, mask, 0.7)
@@ -67,16 +52,9 @@ def test_unpacked_selected_logprobs_equal_the_full_ones_where_needed_and_zero_el
 
 def test_packed_loss_and_gradients_equal_the_full_computation():
     model = _llama()
-    ids, lengths, tm = _batch(512)
+    ids, lengths, tm = grpo_batch(512, prompt=9, T=24)
     B, T = ids.shape
-    g = torch.Generator().manual_seed(3)
-    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=tm, sample_mask=torch.ones(B),
-                           advantages=torch.randn(B, generator=g))
-    with torch.no_grad():
-        old = token_logprobs(model, ids, _attention_mask(ids, lengths), 1.0)
-    data["prev_logprobs"] = old + 0.01 * torch.randn(B, T, generator=g)
-    data["generation_logprobs"] = data["prev_logprobs"]
-    data["reference_policy_logprobs"] = old
+    data, g = pg_train_data(model, ids, lengths, tm)
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
     toks, seqs = float(tm.sum()), float(B)
     top_ids = torch.randint(0, 512, (B, T, 4), generator=g)
@@ -113,7 +91,7 @@ def test_packed_loss_and_gradients_equal_the_full_computation():
 
 def test_the_output_layer_sees_only_the_selected_positions():
     model = _llama()
-    ids, lengths, tm = _batch(512, groups=1, G=2)
+    ids, lengths, tm = grpo_batch(512, groups=1, G=2, prompt=9, T=24)
     shapes = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
     with torch.no_grad():
@@ -125,7 +103,7 @@ def test_the_output_layer_sees_only_the_selected_positions():
 
 def test_a_model_without_an_output_layer_or_a_mask_is_computed_whole():
     model = _llama()
-    ids, lengths, tm = _batch(512, groups=1, G=2)
+    ids, lengths, tm = grpo_batch(512, groups=1, G=2, prompt=9, T=24)
     mask = _attention_mask(ids, lengths)
     with torch.no_grad():
         full = token_logprobs(model, ids, mask, 1.0)
@@ -139,7 +117,7 @@ def test_a_model_without_an_output_layer_or_a_mask_is_computed_whole():
 
 def test_a_forward_that_reshapes_the_logits_is_refused_once_then_computed_whole():
     model = _llama()
-    ids, lengths, tm = _batch(512, groups=1, G=2)
+    ids, lengths, tm = grpo_batch(512, groups=1, G=2, prompt=9, T=24)
     mask = _attention_mask(ids, lengths)
     inner = model.forward
     with torch.no_grad():
